@@ -1,0 +1,7 @@
+"""Drafters propose tokens; the verifier decides. One file per drafter, the interface in `base.py`."""
+
+from drafters.base import Draft, DraftContext, Drafter, DraftError
+from drafters.model_drafter import ModelDrafter
+from drafters.prompt_lookup import PromptLookupDrafter
+
+__all__ = ["Draft", "DraftContext", "DraftError", "Drafter", "ModelDrafter", "PromptLookupDrafter"]

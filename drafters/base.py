@@ -1,0 +1,144 @@
+"""The drafter interface: what the engine gives a drafter each step and what it expects back.
+
+A drafter proposes tokens that continue the committed sequence. It may be anything: an AR model
+drafting one token at a time, an n-gram lookup, or a block model that fills a whole block in one
+parallel pass conditioned on the verifier's hidden states. The engine never trusts it: every draft
+is validated, and the acceptance rule makes the output the verifier's own whatever is proposed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import LogitsProcessorList
+
+
+@dataclass
+class Draft:
+    """A proposal of `len(tokens)` tokens to follow the committed sequence.
+
+    tokens: LongTensor [k], k <= the `max_tokens` the engine asked for (k = 0 is a valid "no idea").
+    probs:  float tensor [k, vocab] or None. Row i is the distribution token i was drawn from, given
+            the committed sequence and tokens[:i] (rejection sampling needs the true proposal
+            distribution). None means the proposal is deterministic: q is one-hot on each token.
+            The scheduler may also read these as confidences.
+    """
+
+    tokens: torch.Tensor
+    probs: torch.Tensor | None = None
+
+    @staticmethod
+    def empty(device: torch.device | str = "cpu") -> Draft:
+        return Draft(torch.empty(0, dtype=torch.long, device=device))
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    def truncate(self, k: int) -> Draft:
+        return Draft(self.tokens[:k], None if self.probs is None else self.probs[:k])
+
+
+def process_logits(processors: LogitsProcessorList, prefix_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """Apply `generate`'s logits processors (and, when sampling, warpers) to one position's logits [vocab]."""
+    if not processors:
+        return logits
+    return processors(prefix_ids, logits[None])[0]
+
+
+@dataclass
+class DraftContext:
+    """What a drafter may read while proposing. Built by the engine once per `generate` call.
+
+    input_ids:    [1, n] the committed sequence (left padding included); the last token is the one
+                  the verifier just chose, whose successors are to be drafted.
+    num_padding:  number of left-padding tokens at the start of input_ids.
+    do_sample:    whether the verifier samples (then drafters should sample too, and report probs).
+    processors:   the very logits processors/warpers the verifier's scores go through.
+    generator:    the random generator of this call (None: torch's global one).
+    verifier:     the `verifiers.Verifier`; `hidden_states()` gives the states of the layers the
+                  drafter asked for (`Drafter.hidden_layers`) for input_ids[:, :-1], never beyond.
+    """
+
+    input_ids: torch.Tensor
+    num_padding: int
+    do_sample: bool
+    processors: LogitsProcessorList
+    generator: torch.Generator | None
+    verifier: object
+
+    def hidden_states(self) -> torch.Tensor | None:
+        return self.verifier.hidden_states()
+
+    def choose(self, logits: torch.Tensor, prefix_ids: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+        """Pick a draft token from a drafter's logits [vocab] at the position after `prefix_ids` [1, m].
+
+        The logits go through the verifier's own processors so the proposal lives in the same space
+        as the verifier's distribution. Greedy: the argmax and no probs. Sampling: a token drawn from
+        q = softmax(processed logits), and q itself.
+        """
+        scores = process_logits(self.processors, prefix_ids, logits.float())
+        if not self.do_sample:
+            return int(scores.argmax()), None
+        q = torch.softmax(scores, dim=-1)
+        return int(torch.multinomial(q, 1, generator=self.generator)), q
+
+
+class Drafter:
+    """Base class for drafters. Subclass it and implement `propose`; override `reset` if you keep state.
+
+    Class attributes a subclass may set:
+        vocab_size:    the vocabulary its token ids index; checked against the verifier's (None: any).
+        tokenizer:     its tokenizer, if known; checked against the tokenizer passed to `generate`.
+        hidden_layers: verifier hidden-state layers to keep for it (0 = embeddings, i = layer i).
+        max_draft_len: the most tokens it can propose in one step (a block drafter's block size).
+    """
+
+    vocab_size: int | None = None
+    tokenizer = None
+    hidden_layers: tuple[int, ...] = ()
+    max_draft_len: int = 16
+
+    def reset(self, ctx: DraftContext) -> None:
+        """Called once per `generate` call, after the prefill and before the first `propose`."""
+
+    def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
+        """Return at most `max_tokens` tokens to follow `ctx.input_ids`."""
+        raise NotImplementedError
+
+
+class DraftError(ValueError):
+    """A drafter broke its contract (wrong shape, token outside the vocabulary, bad probabilities)."""
+
+
+def check_draft(draft: Draft, max_tokens: int, vocab_size: int, drafter_name: str) -> Draft:
+    """Validate a draft before anything of it reaches the verifier. Returns it with probs in float32."""
+    where = f"{drafter_name}.propose"
+    if not isinstance(draft, Draft):
+        raise DraftError(f"{where} returned {type(draft).__name__}; it must return a drafters.Draft")
+    tokens = draft.tokens
+    if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1 or tokens.dtype not in (torch.long, torch.int32):
+        got = f"{tuple(tokens.shape)} {tokens.dtype}" if isinstance(tokens, torch.Tensor) else type(tokens).__name__
+        raise DraftError(f"{where} returned tokens {got}; expected a 1-D LongTensor of at most {max_tokens} ids")
+    k = tokens.shape[0]
+    if k > max_tokens:
+        raise DraftError(f"{where} returned {k} tokens but at most {max_tokens} were asked for")
+    if k and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size):
+        raise DraftError(
+            f"{where} returned token id {int(tokens.max()) if int(tokens.min()) >= 0 else int(tokens.min())} "
+            f"outside the verifier's vocabulary [0, {vocab_size})"
+        )
+    probs = draft.probs
+    if probs is None:
+        return Draft(tokens.long())
+    if not isinstance(probs, torch.Tensor) or tuple(probs.shape) != (k, vocab_size):
+        shape = tuple(probs.shape) if isinstance(probs, torch.Tensor) else type(probs).__name__
+        raise DraftError(f"{where} returned probs {shape}; expected ({k}, {vocab_size}) or None")
+    probs = probs.float()
+    if k and (not bool(torch.isfinite(probs).all()) or bool((probs < 0).any())):
+        raise DraftError(f"{where} returned probs with negative or non-finite entries")
+    if k and bool(((probs.sum(-1) - 1).abs() > 1e-3).any()):
+        raise DraftError(f"{where} returned probs whose rows do not sum to 1")
+    if k and bool((probs.gather(1, tokens.long()[:, None]) <= 0).any()):
+        raise DraftError(f"{where} proposed a token its own probs give probability 0")
+    return Draft(tokens.long(), probs)

@@ -1,0 +1,61 @@
+"""Classic speculative decoding: a small causal LM with the verifier's vocabulary drafts token by token."""
+
+from __future__ import annotations
+
+import torch
+
+from drafters.base import Draft, DraftContext, Drafter
+from verifiers.verifier import Verifier
+
+
+class ModelDrafter(Drafter):
+    """Drafts autoregressively with any Hugging Face causal LM that shares the verifier's vocabulary.
+
+    The drafter keeps its own KV cache across steps and, like the verifier, rolls it back to the
+    longest prefix it shares with the committed sequence, so each step only feeds new tokens.
+    """
+
+    def __init__(self, model, tokenizer=None, max_draft_len: int = 16):
+        self.lm = Verifier(model, role="drafter")  # the same "AR model + croppable cache" machinery the verifier uses
+        self.vocab_size = self.lm.vocab_size
+        self.tokenizer = tokenizer
+        self.max_draft_len = max_draft_len
+        self._fed: list[int] = []  # tokens whose KV is in the drafter's cache
+
+    def reset(self, ctx: DraftContext) -> None:
+        self._fed = []
+
+    @torch.inference_mode()
+    def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
+        committed = ctx.input_ids[0, ctx.num_padding :].to(self.lm.model.device)
+        logits = self._catch_up(committed)
+        tokens, probs = [], []
+        prefix = ctx.input_ids
+        for i in range(max_tokens):
+            token, q = ctx.choose(logits, prefix)
+            tokens.append(token)
+            probs.append(q)
+            if i + 1 == max_tokens:
+                break
+            prefix = torch.cat([prefix, prefix.new_tensor([[token]])], dim=1)
+            logits = self.lm.verify(committed.new_tensor([[token]]))[-1]
+            self._fed.append(token)
+        device = ctx.input_ids.device
+        draft_probs = torch.stack(probs).to(device) if ctx.do_sample and probs else None
+        return Draft(torch.tensor(tokens, dtype=torch.long, device=device), draft_probs)
+
+    def _catch_up(self, committed: torch.Tensor) -> torch.Tensor:
+        """Bring the cache to `committed` (reusing the common prefix); return logits after its last token."""
+        ids = committed.tolist()
+        common = 0
+        for a, b in zip(self._fed, ids[:-1]):  # keep at least the last token to feed
+            if a != b:
+                break
+            common += 1
+        if common == 0:
+            logits = self.lm.prefill(committed[None], None, capacity=0)
+        else:
+            self.lm.rollback(len(self._fed) - common)
+            logits = self.lm.verify(committed[None, common:])[-1]
+        self._fed = ids
+        return logits

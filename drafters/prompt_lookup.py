@@ -1,0 +1,39 @@
+"""Prompt lookup: propose what followed the last occurrence of the current n-gram (no model at all)."""
+
+from __future__ import annotations
+
+import torch
+
+from drafters.base import Draft, DraftContext, Drafter
+
+
+class PromptLookupDrafter(Drafter):
+    """N-gram lookup in the prompt and the output so far (the idea of HF `prompt_lookup_num_tokens`).
+
+    Tries the longest suffix n-gram first (`max_ngram` down to `min_ngram`) and copies the tokens that
+    followed its most recent earlier occurrence. Deterministic, so its q is one-hot.
+    """
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, max_draft_len: int = 10):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got min_ngram={min_ngram}, max_ngram={max_ngram}")
+        if max_draft_len < 1:
+            raise ValueError(f"max_draft_len must be >= 1, got {max_draft_len}")
+        self.max_ngram, self.min_ngram, self.max_draft_len = max_ngram, min_ngram, max_draft_len
+
+    def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
+        ids = ctx.input_ids[0, ctx.num_padding :]
+        return Draft(lookup_continuation(ids, self.min_ngram, self.max_ngram, max_tokens))
+
+
+def lookup_continuation(ids: torch.Tensor, min_ngram: int, max_ngram: int, max_tokens: int) -> torch.Tensor:
+    """Tokens that followed the most recent earlier match of the longest matching suffix n-gram of `ids` [n]."""
+    for n in range(min(max_ngram, ids.shape[0] - 1), min_ngram - 1, -1):
+        # Windows over ids[:-1] start at j <= len - 1 - n: each match has at least one token after it,
+        # and the suffix itself is never its own match.
+        windows = ids[:-1].unfold(0, n, 1)
+        hits = (windows == ids[-n:]).all(dim=1).nonzero()
+        if hits.numel():
+            start = int(hits[-1]) + n
+            return ids[start : start + max_tokens]
+    return ids.new_empty(0)

@@ -1,0 +1,5 @@
+import sys
+
+from hybrid.cli import main
+
+sys.exit(main())

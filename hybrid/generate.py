@@ -1,0 +1,264 @@
+"""`hybrid.generate`: a drop-in for `model.generate` that decodes speculatively and losslessly.
+
+Argument handling reuses `generate`'s own preparation helpers (generation config merge, special
+tokens, lengths, logits processors, stopping criteria), so a call means exactly what it means to
+`model.generate`; what this engine cannot honour raises instead of being dropped.
+"""
+
+from __future__ import annotations
+
+
+import torch
+from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+from transformers.generation import GenerateDecoderOnlyOutput
+from transformers.generation.configuration_utils import GenerationMode
+
+from drafters.base import Drafter
+from hybrid.engine import decode
+from hybrid.stats import GenerationStats
+from schedulers.base import HeuristicScheduler, Scheduler
+from verifiers.verifier import Verifier, check_causal_lm
+
+# `generate` arguments outside GenerationConfig that this engine honours.
+_CALL_ARGS = ("attention_mask", "logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn", "streamer", "tokenizer")
+
+# GenerationConfig fields that select a decoding method or output this engine does not implement,
+# with the value that means "off" and what to do instead.
+_UNSUPPORTED_CONFIG = {
+    "num_beams": (1, "beam search is not speculative; use num_beams=1"),
+    "num_return_sequences": (1, "one sequence per prompt; call generate again for more samples"),
+    "num_beam_groups": (1, "beam search is not supported"),
+    "diversity_penalty": (0.0, "beam search is not supported"),
+    "length_penalty": (1.0, "length_penalty only applies to beam search"),
+    "early_stopping": (False, "early_stopping only applies to beam search"),
+    "penalty_alpha": (None, "contrastive search is not supported"),
+    "constraints": (None, "constrained beam search is not supported"),
+    "force_words_ids": (None, "constrained beam search is not supported"),
+    "guidance_scale": (None, "classifier-free guidance is not supported"),
+    "output_attentions": (False, "attentions are not returned"),
+    "output_hidden_states": (False, "hidden states are not returned (drafters read them through the Verifier)"),
+    "use_cache": (True, "speculative decoding needs the KV cache"),
+    "cache_implementation": (None, "hybrid manages its own cache"),
+    "prompt_lookup_num_tokens": (None, "pass drafter=drafters.PromptLookupDrafter(max_draft_len=N)"),
+    "use_mtp": (False, "pass a drafter instead"),
+    "token_healing": (False, "token healing is not supported"),
+    "prefill_chunk_size": (None, "chunked prefill is not supported"),
+    "dola_layers": (None, "DoLa decoding is not supported"),
+    "low_memory": (None, "low_memory only applies to beam search"),
+}
+# Assisted-generation knobs: hybrid's drafter and scheduler replace them.
+_ASSISTANT_ARGS = (
+    "num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold",
+    "assistant_lookbehind", "target_lookbehind", "assistant_early_exit", "max_matching_ngram_size",
+    "is_assistant", "speculation_type",
+)  # fmt: skip
+
+
+def generate(
+    model,
+    input_ids: torch.LongTensor | None = None,
+    *,
+    drafter: Drafter | None,
+    scheduler: Scheduler | None = None,
+    return_stats: bool = False,
+    generator: torch.Generator | None = None,
+    generation_config: GenerationConfig | None = None,
+    **kwargs,
+):
+    """Generate like `model.generate(input_ids, **kwargs)`, verifying drafts from `drafter` in one forward each.
+
+    Returns what `model.generate` returns: a LongTensor [1, prompt + new] or, with
+    `return_dict_in_generate=True`, a `GenerateDecoderOnlyOutput` (sequences, scores, logits, cache).
+    Greedy output is the verifier's greedy output; sampled output has the verifier's distribution.
+
+    Args beyond `generate`'s:
+        drafter: a `drafters.Drafter` (None: no drafting, plain AR decoding through this engine).
+        scheduler: a `schedulers.Scheduler` choosing the draft length (default `HeuristicScheduler`).
+        return_stats: also return a `GenerationStats`, as `(output, stats)`.
+        generator: a `torch.Generator` for every random draw (drafting and acceptance); None uses
+            torch's global generator, so `torch.manual_seed` makes runs reproducible either way.
+    """
+    check_causal_lm(model)
+    if "inputs" in kwargs:
+        if input_ids is not None:
+            raise TypeError("pass the prompt once: either input_ids or inputs")
+        input_ids = kwargs.pop("inputs")
+    call = {name: kwargs.pop(name, None) for name in _CALL_ARGS}
+    _reject_unsupported_kwargs(kwargs)
+
+    has_default_max_length = (
+        kwargs.get("max_length") is None
+        and (generation_config is None or generation_config.max_length is None)
+        and model.generation_config.max_length is None
+    )
+    has_default_min_length = (
+        kwargs.get("min_length") is None
+        and (generation_config is None or generation_config.min_length is None)
+        and model.generation_config.min_length is None
+    )
+    config, unknown = model._prepare_generation_config(generation_config, **kwargs)
+    unknown = {k: v for k, v in unknown.items() if k not in ("output_attentions", "output_hidden_states")}
+    if unknown:
+        raise TypeError(
+            f"hybrid.generate got unsupported argument(s) {sorted(unknown)}: they are neither generation "
+            "settings nor arguments hybrid honours (see help(hybrid.generate))"
+        )
+    _check_config(config)
+
+    input_ids, attention_mask = _check_prompt(model, input_ids, call["attention_mask"])
+    prompt_len = input_ids.shape[1]
+    model._prepare_special_tokens(config, call["attention_mask"] is not None, device=input_ids.device, batch_size=1)
+    if attention_mask is None:
+        attention_mask = model._prepare_attention_mask_for_generation(input_ids, config, {})
+        _check_mask(attention_mask)
+    if bool((attention_mask == 1).all()):
+        attention_mask = None  # as `generate` does: no padding, no mask
+    config = model._prepare_generated_length(
+        generation_config=config,
+        has_default_max_length=has_default_max_length,
+        has_default_min_length=has_default_min_length,
+        model_input_name="input_ids",
+        inputs_tensor=input_ids,
+        input_ids_length=prompt_len,
+    )
+    model._validate_generated_length(config, prompt_len, has_default_max_length)
+
+    if drafter is not None and not isinstance(drafter, Drafter):  # before drafter.hidden_layers is read
+        raise TypeError(f"drafter must be a drafters.Drafter (or None for plain decoding), got {type(drafter).__name__}")
+    verifier = Verifier(model, hidden_layers=drafter.hidden_layers if drafter is not None else ())
+    _check_drafter(drafter, verifier, call["tokenizer"])
+    scheduler = scheduler if scheduler is not None else HeuristicScheduler()
+    if not isinstance(scheduler, Scheduler):
+        raise TypeError(f"scheduler must be a schedulers.Scheduler, got {type(scheduler).__name__}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+
+    processors = model._get_logits_processor(
+        generation_config=config,
+        input_ids_seq_length=prompt_len,
+        encoder_input_ids=input_ids,
+        prefix_allowed_tokens_fn=call["prefix_allowed_tokens_fn"],
+        logits_processor=call["logits_processor"] or LogitsProcessorList(),
+        device=input_ids.device,
+        model_kwargs={"attention_mask": attention_mask},
+    )
+    stopping = model._get_stopping_criteria(
+        generation_config=config,
+        stopping_criteria=call["stopping_criteria"] or StoppingCriteriaList(),
+        tokenizer=call["tokenizer"],
+    )
+    with torch.inference_mode():
+        result = decode(
+            verifier,
+            drafter,
+            scheduler,
+            input_ids,
+            attention_mask,
+            processors,
+            stopping,
+            max_length=config.max_length,
+            do_sample=bool(config.do_sample),
+            generator=generator,
+            streamer=call["streamer"],
+            keep_scores=bool(config.return_dict_in_generate and config.output_scores),
+            keep_logits=bool(config.return_dict_in_generate and config.output_logits),
+        )
+    output = result.sequences
+    if config.return_dict_in_generate:
+        output = GenerateDecoderOnlyOutput(
+            sequences=result.sequences, scores=result.scores, logits=result.logits, cache=verifier.cache
+        )
+    return (output, result.stats) if return_stats else output
+
+
+def _reject_unsupported_kwargs(kwargs: dict) -> None:
+    assistant = sorted(k for k in kwargs if k in _ASSISTANT_ARGS or k.startswith("assistant"))
+    if assistant:
+        raise TypeError(
+            f"hybrid.generate does not take assisted-generation argument(s) {assistant}: "
+            "pass drafter= (what proposes tokens) and scheduler= (how many to verify) instead"
+        )
+    other = sorted(
+        k for k in kwargs
+        if k in ("synced_gpus", "negative_prompt_ids", "negative_prompt_attention_mask", "custom_generate",
+                 "inputs_embeds", "cache", "past_key_values", "position_ids", "trust_remote_code")
+    )  # fmt: skip
+    if other:
+        raise TypeError(f"hybrid.generate does not support argument(s) {other}: it owns the cache and the inputs are token ids")
+
+
+def _check_config(config: GenerationConfig) -> None:
+    for name, (off, fix) in _UNSUPPORTED_CONFIG.items():
+        value = getattr(config, name, off)
+        if value is not None and value != off and not (name == "guidance_scale" and value == 1):
+            raise ValueError(f"hybrid.generate does not support {name}={value!r}: {fix}")
+    mode = config.get_generation_mode()
+    if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
+        raise ValueError(f"hybrid.generate supports greedy decoding and sampling, not {mode.value}")
+    if config.do_sample and (config.temperature is None or config.temperature <= 0):
+        raise ValueError(
+            f"temperature={config.temperature} with do_sample=True: temperature must be > 0 "
+            "(for deterministic output use do_sample=False)"
+        )
+    if config.max_new_tokens is not None and config.max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens={config.max_new_tokens}: ask for at least 1 new token")
+
+
+def _check_mask(mask: torch.Tensor) -> None:
+    if not bool(mask[0, -1] == 1):
+        raise ValueError(
+            "attention_mask ends with padding (right-padded prompt): decoder-only generation needs left "
+            "padding; tokenize with padding_side='left'"
+        )
+
+
+def _check_prompt(model, input_ids, attention_mask):
+    if input_ids is None:
+        raise ValueError("input_ids is required: hybrid needs a prompt (for unconditional text pass [[bos_token_id]])")
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype not in (torch.long, torch.int):
+        got = f"{tuple(input_ids.shape)} {input_ids.dtype}" if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+        raise ValueError(f"input_ids must be a LongTensor [batch, length], got {got}")
+    if input_ids.shape[0] != 1:
+        raise ValueError(
+            f"batch size {input_ids.shape[0]} is not supported yet: hybrid.generate decodes one sequence at a "
+            "time; call it once per row"
+        )
+    if input_ids.shape[1] == 0:
+        raise ValueError("empty prompt: input_ids has no tokens; pass at least one (e.g. the BOS token)")
+    context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    if context is not None and input_ids.shape[1] >= context:
+        raise ValueError(
+            f"prompt of {input_ids.shape[1]} tokens does not fit the model's context of {context} positions "
+            "(with room for one new token): shorten the prompt"
+        )
+    vocab = model.get_output_embeddings().weight.shape[0]
+    if int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab:
+        raise ValueError(f"input_ids contains ids outside the model's vocabulary [0, {vocab})")
+    input_ids = input_ids.long().to(model.device)
+    if attention_mask is not None:
+        if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
+            shape = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
+            raise ValueError(f"attention_mask {shape} must have the shape of input_ids {tuple(input_ids.shape)}")
+        if not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+            raise ValueError("attention_mask must contain only 0 (padding) and 1 (token)")
+        attention_mask = attention_mask.long().to(model.device)
+        _check_mask(attention_mask)
+    return input_ids, attention_mask
+
+
+def _check_drafter(drafter, verifier: Verifier, tokenizer) -> None:
+    if drafter is None:
+        return
+    name = type(drafter).__name__
+    if drafter.vocab_size is not None and drafter.vocab_size != verifier.vocab_size:
+        raise ValueError(
+            f"drafter vocabulary {drafter.vocab_size} != verifier vocabulary {verifier.vocab_size}: "
+            f"a drafter must share the verifier's tokenizer ({name})"
+        )
+    if tokenizer is not None and drafter.tokenizer is not None and drafter.tokenizer.get_vocab() != tokenizer.get_vocab():
+        raise ValueError(f"{name}'s tokenizer differs from the tokenizer passed to generate: a drafter must share the verifier's tokenizer")
+    if not isinstance(drafter.max_draft_len, int) or drafter.max_draft_len < 1:
+        raise ValueError(f"{name}.max_draft_len must be a positive int, got {drafter.max_draft_len!r}")
+
+
+__all__ = ["GenerationStats", "generate"]

@@ -1,0 +1,62 @@
+"""What one `generate` call did, step by step. Every figure derives from the per-step lists."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class GenerationStats:
+    """Per verifier forward ("step"); step 0 is the prefill, which drafts nothing and emits one token.
+
+    drafted:  tokens the verifier scored beyond the pending one (k).
+    accepted: how many of them the acceptance rule kept.
+    emitted:  tokens appended by the step: accepted + 1 (the verifier's own correction or bonus
+              token), fewer only on the last step when EOS or a stopping criterion cut it short.
+    Times are seconds of wall clock: drafting, verification (forward + acceptance), the prefill, and
+    the whole call.
+    """
+
+    drafted: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+    emitted: list[int] = field(default_factory=list)
+    prefill_time: float = 0.0
+    draft_time: float = 0.0
+    verify_time: float = 0.0
+    schedule_time: float = 0.0
+    total_time: float = 0.0
+
+    def record(self, drafted: int, accepted: int, emitted: int) -> None:
+        self.drafted.append(drafted)
+        self.accepted.append(accepted)
+        self.emitted.append(emitted)
+
+    @property
+    def verifier_forwards(self) -> int:
+        return len(self.emitted)
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(self.emitted)
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens emitted per verifier forward (1.0 for plain AR decoding)."""
+        return self.new_tokens / max(self.verifier_forwards, 1)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.total_time if self.total_time > 0 else float("nan")
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / drafted over the whole call (nan when nothing was drafted)."""
+        drafted = sum(self.drafted)
+        return sum(self.accepted) / drafted if drafted else float("nan")
+
+    def summary(self) -> str:
+        return (
+            f"{self.new_tokens} tokens in {self.verifier_forwards} verifier forwards: tau {self.tau:.2f}, "
+            f"{self.tokens_per_second:.1f} tok/s (draft {self.draft_time:.2f}s, verify {self.verify_time:.2f}s, "
+            f"total {self.total_time:.2f}s)"
+        )

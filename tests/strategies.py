@@ -1,0 +1,124 @@
+"""Hypothesis strategies that build the world: a random tiny verifier, a prompt, a drafter, a scheduler."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from hypothesis import strategies as st
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from drafters import Draft, DraftContext, Drafter, ModelDrafter, PromptLookupDrafter
+from schedulers import FixedScheduler, HeuristicScheduler
+
+ARCHITECTURES = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),  # with a sliding window: rollback must undo it
+}
+
+
+def tiny_model(arch: str, vocab_size: int, num_layers: int, seed: int, sliding_window: int | None = None):
+    """A random causal LM small enough for hundreds of examples a minute.
+
+    initializer_range 0.3 makes logits spread out, so top-2 near ties are as rare as in real models.
+    """
+    config_cls, model_cls = ARCHITECTURES[arch]
+    extra = {"sliding_window": sliding_window} if arch == "mistral" else {}
+    if arch == "qwen3":
+        extra["head_dim"] = 8
+    config = config_cls(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        initializer_range=0.3,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        **extra,
+    )
+    torch.manual_seed(seed)
+    return model_cls(config).eval()
+
+
+@st.composite
+def verifiers(draw):
+    arch = draw(st.sampled_from(sorted(ARCHITECTURES)))
+    window = draw(st.sampled_from([None, 4, 9])) if arch == "mistral" else None
+    return tiny_model(arch, draw(st.integers(32, 96)), draw(st.integers(1, 2)), draw(st.integers(0, 2**16)), window)
+
+
+def prompts(vocab_size: int, max_len: int = 12):
+    return st.lists(st.integers(0, vocab_size - 1), min_size=1, max_size=max_len).map(lambda ids: torch.tensor([ids]))
+
+
+class AdversarialDrafter(Drafter):
+    """A third-party drafter that proposes garbage, repeats, EOS runs and random lengths (always valid shapes)."""
+
+    max_draft_len = 12
+
+    def __init__(self, vocab_size: int, eos_token_id: int | None, seed: int):
+        self.vocab_size, self.eos = vocab_size, eos_token_id
+        self.rng = torch.Generator().manual_seed(seed)  # not reset per call: each call sees new garbage
+
+    def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
+        n = int(torch.randint(0, max_tokens + 1, (), generator=self.rng))
+        mode = int(torch.randint(0, 4, (), generator=self.rng))
+        last = int(ctx.input_ids[0, -1])
+        if mode == 0:
+            tokens = torch.randint(0, self.vocab_size, (n,), generator=self.rng)
+        elif mode == 1:
+            tokens = torch.full((n,), last)
+        elif mode == 2 and self.eos is not None:
+            tokens = torch.full((n,), self.eos)
+        else:  # echo the sequence backwards: plausible-looking but wrong
+            tokens = ctx.input_ids[0].flip(0)[:n].clone()
+        if not ctx.do_sample:
+            return Draft(tokens)
+        # Sampling: report an honest proposal distribution, a smoothed point mass on each token.
+        probs = torch.full((len(tokens), self.vocab_size), 0.1 / self.vocab_size)
+        probs[torch.arange(len(tokens)), tokens] += 0.9
+        return Draft(tokens, probs)
+
+
+def perturbed_copy(model, scale: float, seed: int):
+    twin = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in twin.parameters():
+            param.add_(torch.randn(param.shape, generator=gen) * scale)
+    return twin
+
+
+@st.composite
+def drafters_for(draw, model, eos_token_id: int | None):
+    """Every kind of drafter the engine must stay lossless with."""
+    kind = draw(st.sampled_from(["random", "self", "perturbed", "lookup", "adversarial", "none"]))
+    vocab = model.config.vocab_size
+    seed = draw(st.integers(0, 2**16))
+    if kind == "random":
+        arch = draw(st.sampled_from(sorted(ARCHITECTURES)))
+        return ModelDrafter(tiny_model(arch, vocab, 1, seed), max_draft_len=8)
+    if kind == "self":
+        return ModelDrafter(model, max_draft_len=8)
+    if kind == "perturbed":
+        return ModelDrafter(perturbed_copy(model, draw(st.sampled_from([0.01, 0.1])), seed), max_draft_len=8)
+    if kind == "lookup":
+        return PromptLookupDrafter(max_ngram=draw(st.integers(1, 3)), max_draft_len=draw(st.integers(1, 8)))
+    if kind == "adversarial":
+        return AdversarialDrafter(vocab, eos_token_id, seed)
+    return None
+
+
+@st.composite
+def schedulers_for(draw, drafter):
+    if drafter is None or draw(st.booleans()):
+        return HeuristicScheduler(draw(st.integers(1, 4)))
+    return FixedScheduler(draw(st.integers(1, drafter.max_draft_len)))

@@ -1,0 +1,123 @@
+"""Property: under sampling, every emitted token is distributed exactly as the verifier's p."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import hybrid
+from drafters import ModelDrafter, PromptLookupDrafter
+from hybrid.acceptance import acceptance_probability, residual_distribution, speculative_step
+from hybrid.testing import chi_square_critical, chi_square_statistic, sequence_distribution
+from strategies import AdversarialDrafter, tiny_model
+
+ALPHA = 1e-3  # false-alarm rate of each statistical test, at fixed seeds
+
+
+def distributions(vocab: int, allow_zeros: bool):
+    weights = st.floats(0.0 if allow_zeros else 1e-3, 1.0)
+    return st.lists(weights, min_size=vocab, max_size=vocab).filter(lambda w: sum(w) > 1e-3).map(
+        lambda w: torch.tensor(w, dtype=torch.float64) / sum(w)
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_one_step_emits_exactly_p(data):
+    """Sum over drafts x ~ q of [accept x] + [reject x, then draw the residual] equals p, exactly."""
+    vocab = data.draw(st.integers(2, 10))
+    p = data.draw(distributions(vocab, allow_zeros=True), label="p")
+    deterministic = data.draw(st.booleans(), label="one-hot q")
+    if deterministic:  # a deterministic drafter: q is a point mass on its token
+        x = data.draw(st.integers(0, vocab - 1))
+        cases = [(1.0, None, x)]
+    else:
+        q = data.draw(distributions(vocab, allow_zeros=True), label="q")
+        cases = [(float(q[x]), q, x) for x in range(vocab) if q[x] > 0]
+    emitted = torch.zeros(vocab, dtype=torch.float64)
+    for weight, q_row, x in cases:
+        a = acceptance_probability(p, q_row, x)
+        emitted[x] += weight * a
+        emitted += weight * (1 - a) * residual_distribution(p, q_row, x)
+    assert torch.allclose(emitted, p, atol=1e-9), (emitted, p)
+
+
+def test_speculative_step_samples_p():
+    """The sampler itself, at a fixed seed: 20,000 steps pass a chi-square test against p, and fail it against q."""
+    gen = torch.Generator().manual_seed(0)
+    p = torch.tensor([0.05, 0.30, 0.10, 0.25, 0.0, 0.30])
+    q = torch.tensor([0.40, 0.10, 0.20, 0.05, 0.25, 0.0])
+    n = 20_000
+    counts = Counter()
+    drafted = Counter()
+    for _ in range(n):
+        x = int(torch.multinomial(q, 1, generator=gen))
+        drafted[x] += 1
+        counts[speculative_step(p, q, x, gen)[1]] += 1
+    as_dict = {i: float(v) for i, v in enumerate(p) if v > 0}
+    stat, df = chi_square_statistic(counts, as_dict)
+    assert stat < chi_square_critical(df, ALPHA), (stat, df, counts)
+    stat_q, _ = chi_square_statistic(drafted, as_dict)  # the test has power: the raw drafts are not p
+    assert stat_q > chi_square_critical(df, ALPHA)
+
+
+VOCAB, NEW_TOKENS, SAMPLES = 4, 3, 2000
+WARPERS = {"temperature": 0.7, "top_k": 3}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model = tiny_model("llama", VOCAB, 1, seed=11)
+    prompt = torch.tensor([[1, 2]])
+    return model, prompt, sequence_distribution(model, prompt, NEW_TOKENS, **WARPERS)
+
+
+@pytest.mark.parametrize("drafter_kind", ["model", "self", "lookup", "adversarial"])
+def test_generated_sequences_follow_ar_sampling(tiny, drafter_kind):
+    """2,000 sequences of 3 tokens (4-token vocabulary, T=0.7, top-k 3) pass a chi-square goodness-of-fit
+    test, at level 1e-3, against the exact distribution of plain AR sampling."""
+    model, prompt, exact = tiny
+    drafter = {
+        "model": lambda: ModelDrafter(tiny_model("qwen2", VOCAB, 1, seed=5)),
+        "self": lambda: ModelDrafter(model),
+        "lookup": lambda: PromptLookupDrafter(min_ngram=1, max_ngram=1),
+        "adversarial": lambda: AdversarialDrafter(VOCAB, None, seed=2),
+    }[drafter_kind]()
+    gen = torch.Generator().manual_seed(1234)
+    counts, drafted = Counter(), 0
+    for _ in range(SAMPLES):
+        out, stats = hybrid.generate(
+            model, prompt, drafter=drafter, do_sample=True, max_new_tokens=NEW_TOKENS,
+            generator=gen, return_stats=True, **WARPERS,
+        )  # fmt: skip
+        counts[tuple(out[0, prompt.shape[1]:].tolist())] += 1
+        drafted += sum(stats.drafted)
+    assert drafted > 0, "the drafter never drafted: the test would not exercise rejection sampling"
+    stat, df = chi_square_statistic(counts, exact)
+    assert stat < chi_square_critical(df, ALPHA), (stat, df)
+
+
+def test_sequence_test_has_power(tiny):
+    """The same procedure rejects a sampler that is off: plain sampling at T=1 instead of T=0.7."""
+    model, prompt, exact = tiny
+    torch.manual_seed(0)
+    counts = Counter()
+    for _ in range(SAMPLES):
+        out = model.generate(prompt, do_sample=True, max_new_tokens=NEW_TOKENS, temperature=1.0, top_k=3)
+        counts[tuple(out[0, prompt.shape[1]:].tolist())] += 1
+    stat, df = chi_square_statistic(counts, exact)
+    assert stat > chi_square_critical(df, ALPHA), (stat, df)
+
+
+def test_generator_makes_sampling_reproducible(tiny):
+    model, prompt, _ = tiny
+    runs = [
+        hybrid.generate(model, prompt, drafter=ModelDrafter(model), do_sample=True, max_new_tokens=20,
+                        generator=torch.Generator().manual_seed(7))
+        for _ in range(2)
+    ]  # fmt: skip
+    assert torch.equal(runs[0], runs[1])
