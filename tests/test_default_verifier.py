@@ -1,0 +1,58 @@
+"""The embedded default (real SmolLM2-135M-Instruct verifier). Slow: the first run fetches and converts the
+model (~30 s); select with `-m slow`."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+import hybrid
+from drafters import PromptLookupDrafter
+from hybrid.cli import main as cli_main
+from hybrid.testing import check_greedy_lossless
+from schedulers import FixedScheduler
+
+pytestmark = pytest.mark.slow
+
+# Our own prompts: the evaluation sets (HumanEval, MT-Bench) are never used to build or tune anything.
+PROMPTS = [
+    "Write a Python function that returns the n-th Fibonacci number, with a docstring.",
+    "List three differences between TCP and UDP.",
+    "Write a bash one-liner that counts the lines of every .py file in a folder.",
+]
+
+
+@pytest.fixture(scope="module")
+def default():
+    return hybrid.load_default()
+
+
+def chat(tokenizer, prompt):
+    messages = [{"role": "user", "content": prompt}]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)[
+        "input_ids"
+    ]
+
+
+def test_load_default_is_smollm2_with_prompt_lookup(default):
+    model, tokenizer, drafter = default
+    assert model.config.vocab_size == len(tokenizer) == 49152
+    assert model.config.num_hidden_layers == 30
+    assert isinstance(drafter, PromptLookupDrafter)
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_real_verifier_greedy_is_lossless(default, prompt):
+    model, tokenizer, drafter = default
+    report = check_greedy_lossless(model, chat(tokenizer, prompt), drafter, FixedScheduler(8), max_new_tokens=96)
+    assert report.near_tie_at is None, f"near tie at new token {report.near_tie_at}"
+
+
+def test_cli_prints_tau_above_one_and_speedup_on_code_prompt(default, capsys):
+    cli_main(["generate", "Write a Python class Matrix with add, multiply and transpose methods.", "--max-new-tokens", "96"])
+    printed = capsys.readouterr().out
+    line = re.search(r"tau ([\d.]+)\s+speed-up ([\d.]+)x\s+identical to model.generate: (\w+)", printed)
+    assert line, printed
+    assert float(line[1]) > 1.0
+    assert line[3] == "yes"
