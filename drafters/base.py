@@ -22,11 +22,14 @@ class Draft:
     probs:  float tensor [k, vocab] or None. Row i is the distribution token i was drawn from, given
             the committed sequence and tokens[:i] (rejection sampling needs the true proposal
             distribution). None means the proposal is deterministic: q is one-hot on each token.
-            The scheduler may also read these as confidences.
+    confidence: float tensor [k] or None: the drafter's own belief that each token is what the
+            verifier will choose (e.g. its probability of the token). Schedulers calibrate it into
+            acceptance probabilities; it never affects correctness.
     """
 
     tokens: torch.Tensor
     probs: torch.Tensor | None = None
+    confidence: torch.Tensor | None = None
 
     @staticmethod
     def empty(device: torch.device | str = "cpu") -> Draft:
@@ -36,7 +39,8 @@ class Draft:
         return self.tokens.shape[0]
 
     def truncate(self, k: int) -> Draft:
-        return Draft(self.tokens[:k], None if self.probs is None else self.probs[:k])
+        cut = lambda t: None if t is None else t[:k]  # noqa: E731
+        return Draft(self.tokens[:k], cut(self.probs), cut(self.confidence))
 
 
 def process_logits(processors: LogitsProcessorList, prefix_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
@@ -70,17 +74,16 @@ class DraftContext:
     def hidden_states(self) -> torch.Tensor | None:
         return self.verifier.hidden_states()
 
-    def choose(self, logits: torch.Tensor, prefix_ids: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+    def choose(self, logits: torch.Tensor, prefix_ids: torch.Tensor) -> tuple[int, torch.Tensor]:
         """Pick a draft token from a drafter's logits [vocab] at the position after `prefix_ids` [1, m].
 
         The logits go through the verifier's own processors so the proposal lives in the same space
-        as the verifier's distribution. Greedy: the argmax and no probs. Sampling: a token drawn from
-        q = softmax(processed logits), and q itself.
+        as the verifier's distribution. Returns the token and q = softmax(processed logits): greedy
+        takes q's argmax, sampling draws from q (report q as `Draft.probs` then).
         """
-        scores = process_logits(self.processors, prefix_ids, logits.float())
+        q = torch.softmax(process_logits(self.processors, prefix_ids, logits.float()), dim=-1)
         if not self.do_sample:
-            return int(scores.argmax()), None
-        q = torch.softmax(scores, dim=-1)
+            return int(q.argmax()), q
         return int(torch.multinomial(q, 1, generator=self.generator)), q
 
 
@@ -128,9 +131,15 @@ def check_draft(draft: Draft, max_tokens: int, vocab_size: int, drafter_name: st
             f"{where} returned token id {int(tokens.max()) if int(tokens.min()) >= 0 else int(tokens.min())} "
             f"outside the verifier's vocabulary [0, {vocab_size})"
         )
+    confidence = draft.confidence
+    if confidence is not None:
+        if not isinstance(confidence, torch.Tensor) or tuple(confidence.shape) != (k,):
+            shape = tuple(confidence.shape) if isinstance(confidence, torch.Tensor) else type(confidence).__name__
+            raise DraftError(f"{where} returned confidence {shape}; expected ({k},) or None")
+        confidence = confidence.float()
     probs = draft.probs
     if probs is None:
-        return Draft(tokens.long())
+        return Draft(tokens.long(), None, confidence)
     if not isinstance(probs, torch.Tensor) or tuple(probs.shape) != (k, vocab_size):
         shape = tuple(probs.shape) if isinstance(probs, torch.Tensor) else type(probs).__name__
         raise DraftError(f"{where} returned probs {shape}; expected ({k}, {vocab_size}) or None")
@@ -141,4 +150,4 @@ def check_draft(draft: Draft, max_tokens: int, vocab_size: int, drafter_name: st
         raise DraftError(f"{where} returned probs whose rows do not sum to 1")
     if k and bool((probs.gather(1, tokens.long()[:, None]) <= 0).any()):
         raise DraftError(f"{where} proposed a token its own probs give probability 0")
-    return Draft(tokens.long(), probs)
+    return Draft(tokens.long(), probs, confidence)

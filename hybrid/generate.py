@@ -16,7 +16,8 @@ from transformers.generation.configuration_utils import GenerationMode
 from drafters.base import Drafter
 from hybrid.engine import decode
 from hybrid.stats import GenerationStats
-from schedulers.base import HeuristicScheduler, Scheduler
+from schedulers.adaptive import default_scheduler
+from schedulers.base import Scheduler
 from verifiers.verifier import Verifier, check_causal_lm
 
 # `generate` arguments outside GenerationConfig that this engine honours.
@@ -73,7 +74,8 @@ def generate(
 
     Args beyond `generate`'s:
         drafter: a `drafters.Drafter` (None: no drafting, plain AR decoding through this engine).
-        scheduler: a `schedulers.Scheduler` choosing the draft length (default `HeuristicScheduler`).
+        scheduler: a `schedulers.Scheduler` choosing the draft length (default: a `CostAwareScheduler`
+            per verifier and drafter kind, learning across calls).
         return_stats: also return a `GenerationStats`, as `(output, stats)`.
         generator: a `torch.Generator` for every random draw (drafting and acceptance); None uses
             torch's global generator, so `torch.manual_seed` makes runs reproducible either way.
@@ -127,7 +129,8 @@ def generate(
         raise TypeError(f"drafter must be a drafters.Drafter (or None for plain decoding), got {type(drafter).__name__}")
     verifier = Verifier(model, hidden_layers=drafter.hidden_layers if drafter is not None else ())
     _check_drafter(drafter, verifier, call["tokenizer"])
-    scheduler = scheduler if scheduler is not None else HeuristicScheduler()
+    if scheduler is None:
+        scheduler = default_scheduler(drafter, model) if drafter is not None else Scheduler()
     if not isinstance(scheduler, Scheduler):
         raise TypeError(f"scheduler must be a schedulers.Scheduler, got {type(scheduler).__name__}")
     if generator is not None and not isinstance(generator, torch.Generator):

@@ -9,9 +9,9 @@ class Scheduler:
     """Each step the engine asks `max_draft_length()` before drafting, `select(draft)` after it, and
     reports the outcome to `update`. `reset` starts a new `generate` call."""
 
-    def reset(self, max_draft_len: int) -> None:
-        """Start a generation with a drafter that proposes at most `max_draft_len` tokens."""
-        self.max_draft_len = max_draft_len
+    def reset(self, drafter, model=None) -> None:
+        """Start a generation: `drafter` proposes (at most `drafter.max_draft_len` tokens), `model` verifies."""
+        self.max_draft_len = drafter.max_draft_len
 
     def max_draft_length(self) -> int:
         """How many tokens to ask the drafter for."""
@@ -21,8 +21,9 @@ class Scheduler:
         """How many of the drafted tokens to verify (a prefix of the draft). Default: all of them."""
         return len(draft)
 
-    def update(self, drafted: int, accepted: int) -> None:
-        """Learn from a step: `drafted` tokens were verified and the first `accepted` were kept."""
+    def update(self, draft: Draft, accepted: int, draft_time: float, verify_time: float) -> None:
+        """Learn from a step: the verifier scored `draft` and kept its first `accepted` tokens;
+        drafting took `draft_time` seconds and verification `verify_time`."""
 
 
 def check_k(k: int, max_draft_len: int) -> None:
@@ -37,9 +38,9 @@ class FixedScheduler(Scheduler):
         check_k(k, k if isinstance(k, int) and k >= 1 else 1)
         self.k = k
 
-    def reset(self, max_draft_len: int) -> None:
-        check_k(self.k, max_draft_len)
-        super().reset(max_draft_len)
+    def reset(self, drafter, model=None) -> None:
+        check_k(self.k, drafter.max_draft_len)
+        super().reset(drafter, model)
 
     def max_draft_length(self) -> int:
         return self.k
@@ -52,14 +53,14 @@ class HeuristicScheduler(Scheduler):
         check_k(initial, initial if isinstance(initial, int) and initial >= 1 else 1)
         self.initial = initial
 
-    def reset(self, max_draft_len: int) -> None:
-        super().reset(max_draft_len)
-        self.k = min(self.initial, max_draft_len)
+    def reset(self, drafter, model=None) -> None:
+        super().reset(drafter, model)
+        self.k = min(self.initial, self.max_draft_len)
 
     def max_draft_length(self) -> int:
         return self.k
 
-    def update(self, drafted: int, accepted: int) -> None:
-        if drafted == 0:
+    def update(self, draft: Draft, accepted: int, draft_time: float, verify_time: float) -> None:
+        if len(draft) == 0:
             return  # the drafter had nothing to say: no evidence either way
-        self.k = min(self.k + 2, self.max_draft_len) if accepted == drafted else max(1, self.k - 1)
+        self.k = min(self.k + 2, self.max_draft_len) if accepted == len(draft) else max(1, self.k - 1)

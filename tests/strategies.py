@@ -10,7 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralFo
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from drafters import Draft, DraftContext, Drafter, ModelDrafter, PromptLookupDrafter
-from schedulers import FixedScheduler, HeuristicScheduler
+from schedulers import ConfidenceScheduler, CostAwareScheduler, FixedScheduler, HeuristicScheduler
 
 ARCHITECTURES = {
     "llama": (LlamaConfig, LlamaForCausalLM),
@@ -119,6 +119,12 @@ def drafters_for(draw, model, eos_token_id: int | None):
 
 @st.composite
 def schedulers_for(draw, drafter):
-    if drafter is None or draw(st.booleans()):
+    """Every scheduler; cost-aware ones get a synthetic cost curve (flat to steep) instead of timing a tiny model."""
+    kind = draw(st.sampled_from(["heuristic", "fixed", "confidence", "cost-aware"]))
+    if drafter is None or kind == "heuristic":
         return HeuristicScheduler(draw(st.integers(1, 4)))
-    return FixedScheduler(draw(st.integers(1, drafter.max_draft_len)))
+    if kind == "fixed":
+        return FixedScheduler(draw(st.integers(1, drafter.max_draft_len)))
+    if kind == "confidence":
+        return ConfidenceScheduler(draw(st.sampled_from([0.0, 0.2, 0.6, 1.0])))
+    return CostAwareScheduler(costs={1: 1.0, 17: draw(st.sampled_from([1.0, 2.5, 20.0]))})

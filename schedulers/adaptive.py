@@ -1,0 +1,131 @@
+"""Schedulers that read the drafter's confidence: cut the draft where verifying more stops paying.
+
+Both predict, for each drafted position i, the calibrated probability a_i that it is accepted given
+that positions 1..i-1 were (`AcceptanceModel`). The probability that the first j are all accepted
+is prod_{i<=j} a_i, so the expected number accepted when verifying k is E(k) = sum_{j<=k} prod_{i<=j} a_i.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+from drafters.base import Draft
+from schedulers.base import Scheduler
+from schedulers.calibration import AcceptanceModel
+from schedulers.cost_model import VerifyCostModel
+
+
+def pair_fingerprint(drafter, model) -> dict:
+    """What a calibration is specific to: the drafter (class, block size, its own id) and the verifier."""
+    config = model.config.get_text_config() if model is not None else None
+    return {
+        "drafter": f"{type(drafter).__name__}:{drafter.max_draft_len}:{getattr(drafter, 'fingerprint', '')}",
+        "verifier": None if config is None else f"{type(model).__name__}:{config.hidden_size}x{config.num_hidden_layers}:{config.vocab_size}",
+    }
+
+
+def expected_accepted(conditional: list[float]) -> list[float]:
+    """[E(0), E(1), ..., E(k)]: expected accepted tokens when verifying the first k drafts."""
+    survive = itertools.accumulate(conditional, lambda a, b: a * b)
+    return [0.0, *itertools.accumulate(survive)]
+
+
+class _Calibrated(Scheduler):
+    """Shared state: the acceptance model, learned online across calls (or loaded from a file)."""
+
+    def __init__(self, calibration: str | None = None):
+        self.calibration_path = calibration
+        self.acceptance: AcceptanceModel | None = None
+
+    def reset(self, drafter, model=None) -> None:
+        super().reset(drafter, model)
+        fingerprint = pair_fingerprint(drafter, model)
+        if self.acceptance is not None and self.acceptance.fingerprint == fingerprint:
+            return  # same pair as the last call: keep learning
+        if self.calibration_path is not None:
+            self.acceptance = AcceptanceModel.load(self.calibration_path, fingerprint)
+        else:
+            self.acceptance = AcceptanceModel(self.max_draft_len, fingerprint)
+
+    def save_calibration(self, path) -> None:
+        """Write what was learned, for `calibration=` in a later run with the same drafter and verifier."""
+        self.acceptance.save(path)
+
+    def max_draft_length(self) -> int:
+        return self.max_draft_len
+
+    def update(self, draft: Draft, accepted: int, draft_time: float, verify_time: float) -> None:
+        self.acceptance.update(draft, accepted)
+
+
+class ConfidenceScheduler(_Calibrated):
+    """Verify the longest prefix whose probability of being accepted whole is at least `threshold`."""
+
+    def __init__(self, threshold: float = 0.3, calibration: str | None = None):
+        if not 0.0 <= threshold <= 1.0:
+            raise ValueError(f"threshold={threshold!r} must be a probability in [0, 1]")
+        super().__init__(calibration)
+        self.threshold = threshold
+
+    def select(self, draft: Draft) -> int:
+        k, whole = 0, 1.0
+        for a in self.acceptance.predict(draft):
+            whole *= a
+            if whole < self.threshold:
+                break
+            k += 1
+        return max(k, 1) if len(draft) else 0  # always verify one: keeps the calibration learning
+
+
+_DEFAULTS: dict[tuple, Scheduler] = {}
+
+
+def default_scheduler(drafter, model) -> Scheduler:
+    """The scheduler `hybrid.generate` uses when given none: a `CostAwareScheduler` kept per
+    (verifier, drafter kind) for the life of the process, so its calibration keeps learning across calls."""
+    key = (id(model), str(pair_fingerprint(drafter, model)))
+    return _DEFAULTS.setdefault(key, CostAwareScheduler())
+
+
+class CostAwareScheduler(_Calibrated):
+    """Pick k maximising expected emitted tokens per second: (E(k) + 1) / (draft cost + verify cost(k + 1)).
+
+    Verify cost comes from a `VerifyCostModel` measured on this device at start-up (cached) and
+    rescaled by observed verify times; draft cost is the running mean of observed draft times.
+    """
+
+    def __init__(self, calibration: str | None = None, costs: dict[int, float] | None = None):
+        super().__init__(calibration)
+        self.verify_costs = VerifyCostModel(costs) if costs is not None else None
+        self.draft_cost = 0.0
+        self._declined = 0
+
+    def reset(self, drafter, model=None) -> None:
+        super().reset(drafter, model)
+        if self.verify_costs is None:
+            if model is None:
+                raise ValueError("CostAwareScheduler needs the verifier (or costs=) to measure verification cost")
+            self.verify_costs = VerifyCostModel.for_model(model)
+
+    def select(self, draft: Draft) -> int:
+        if not len(draft):
+            return 0
+        expected = expected_accepted(self.acceptance.predict(draft))
+        rate = [(expected[k] + 1) / (self.draft_cost + self.verify_costs.cost(k + 1)) for k in range(len(draft) + 1)]
+        best = max(range(len(rate)), key=rate.__getitem__)
+        if best == 0:  # still verify the best positive k now and then, or a bad start would never be unlearned
+            self._declined += 1
+            if self._declined % 4 == 0:
+                return max(range(1, len(rate)), key=rate.__getitem__)
+        return best
+
+    def update(self, draft: Draft, accepted: int, draft_time: float, verify_time: float) -> None:
+        super().update(draft, accepted, draft_time, verify_time)
+        self.verify_costs.observe(len(draft) + 1, verify_time)
+        self.draft_cost += 0.05 * (draft_time - self.draft_cost)
+
+    def expected_rate(self, draft: Draft, k: int) -> float:
+        """The objective at k (for reports and tests)."""
+        expected = expected_accepted(self.acceptance.predict(draft))
+        return (expected[k] + 1) / (self.draft_cost + self.verify_costs.cost(k + 1)) if k <= len(draft) else math.nan

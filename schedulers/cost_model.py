@@ -1,0 +1,99 @@
+"""What a verify of m positions costs on this device, measured, not assumed.
+
+The curve is not smooth: on the 2-core CPU this project was measured on, SmolLM2-135M costs 55 ms for
+m = 1, 90-110 ms for m = 2-3 but 73-80 ms for m = 4-5 (matrix kernels change with the shape). So every
+m from 1 to 17 is timed (best of 2 forwards on a 64-token context, ~3 s), once per (model, dtype,
+device, threads), and cached on disk; later runs read the cache in well under a millisecond. Sizes
+beyond the table are extrapolated linearly. During a run, observed verify times rescale the curve (machine load changes), so
+the table only has to get the shape right.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+
+import torch
+from transformers import DynamicCache
+
+from hybrid.wheels import cache_dir
+
+PROBE_SIZES = tuple(range(1, 18))  # a block of 16 drafts + the pending token
+CONTEXT = 64
+
+
+def device_key(model) -> str:
+    """Identifies a (model, dtype, device, threads) combination for the on-disk cache."""
+    config = model.config.get_text_config()
+    parts = [
+        type(model).__name__, str(config.hidden_size), str(config.num_hidden_layers), str(config.vocab_size),
+        str(model.dtype), str(model.device), str(torch.get_num_threads()),
+        torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else "",
+    ]  # fmt: skip
+    return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
+
+
+@torch.inference_mode()
+def measure_verify_costs(model, sizes=PROBE_SIZES, repeats: int = 2) -> dict[int, float]:
+    """Seconds for one forward of m tokens after a CONTEXT-token cache, for each m in `sizes` (best of `repeats`)."""
+    vocab = model.config.get_text_config().vocab_size
+    generator = torch.Generator().manual_seed(0)
+    context = torch.randint(0, vocab, (1, CONTEXT), generator=generator).to(model.device)
+    cache = DynamicCache(config=model.config)
+    model(context, cache=cache, use_cache=True)
+    costs = {m: float("inf") for m in sizes}
+    for m in (sizes[0], *sizes * repeats):  # the first forward only warms up
+        tokens = torch.randint(0, vocab, (1, m), generator=generator).to(model.device)
+        positions = torch.arange(CONTEXT, CONTEXT + m, device=model.device)[None]
+        _sync(model)
+        start = time.perf_counter()
+        model(tokens, position_ids=positions, cache=cache, use_cache=True)
+        _sync(model)
+        costs[m] = min(costs[m], time.perf_counter() - start)  # the minimum is the least disturbed by noise
+        cache.crop(-m)
+    return costs
+
+
+def _sync(model) -> None:
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)
+
+
+class VerifyCostModel:
+    """cost(m): expected seconds of a verify step that feeds m tokens (the pending one + m - 1 drafts)."""
+
+    def __init__(self, costs: dict[int, float]):
+        self.sizes = sorted(costs)
+        self.table = [costs[m] for m in self.sizes]
+        self.scale = 1.0  # observed / predicted, tracked online
+
+    @classmethod
+    def for_model(cls, model, use_disk_cache: bool = True) -> VerifyCostModel:
+        path = cache_dir() / "costs" / f"{device_key(model)}.json"
+        if use_disk_cache and path.exists():
+            return cls({int(m): t for m, t in json.loads(path.read_text()).items()})
+        costs = measure_verify_costs(model)
+        if use_disk_cache:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(costs))
+        return cls(costs)
+
+    def cost(self, m: int) -> float:
+        return self.scale * self._interpolate(m)
+
+    def observe(self, m: int, seconds: float, weight: float = 0.05) -> None:
+        """Fold one measured verify time into the scale (an exponential moving average of the ratio)."""
+        predicted = self._interpolate(m)
+        if predicted > 0 and seconds > 0:
+            self.scale += weight * (seconds / predicted - self.scale)
+
+    def _interpolate(self, m: int) -> float:
+        sizes, table = self.sizes, self.table
+        if m <= sizes[0]:
+            return table[0]
+        for (m0, t0), (m1, t1) in zip(zip(sizes, table), zip(sizes[1:], table[1:])):
+            if m <= m1:
+                return t0 + (t1 - t0) * (m - m0) / (m1 - m0)
+        slope = (table[-1] - table[-2]) / (sizes[-1] - sizes[-2]) if len(sizes) > 1 else 0.0
+        return table[-1] + slope * (m - sizes[-1])

@@ -1,0 +1,101 @@
+"""Schedulers: the arithmetic of the cost-aware choice, calibration, cost measurement, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import hybrid
+from drafters import Draft, PromptLookupDrafter
+from schedulers import AcceptanceModel, ConfidenceScheduler, CostAwareScheduler, FixedScheduler, VerifyCostModel
+from schedulers.adaptive import expected_accepted, pair_fingerprint
+from schedulers.cost_model import measure_verify_costs
+from strategies import tiny_model
+
+
+def draft(k, confidence=None):
+    return Draft(torch.zeros(k, dtype=torch.long), confidence=None if confidence is None else torch.tensor(confidence))
+
+
+def test_expected_accepted_is_sum_of_survival_products():
+    assert expected_accepted([0.5, 0.5, 1.0]) == pytest.approx([0.0, 0.5, 0.75, 1.0])
+
+
+def test_cost_aware_picks_the_rate_maximising_k():
+    """a_i = 0.9 everywhere; verify cost 1 + 0.25 (m - 1): rate (1 + 9(1 - 0.9^k)) / (1 + k/4) peaks at k = 6 (2.087 vs 2.082 at 5, 2.071 at 7)."""
+    s = CostAwareScheduler(costs={1: 1.0, 17: 5.0})
+    s.reset(PromptLookupDrafter(max_draft_len=16))
+    s.acceptance.tried[:] = 1e6  # make the calibration say exactly 0.9 at every position
+    s.acceptance.accepted[:] = 0.9e6
+    d = draft(16)
+    rates = [s.expected_rate(d, k) for k in range(17)]
+    assert s.select(d) == max(range(17), key=rates.__getitem__) == 6
+
+
+def test_cost_aware_declines_hopeless_drafts_but_keeps_probing():
+    s = CostAwareScheduler(costs={1: 1.0, 17: 5.0})
+    s.reset(PromptLookupDrafter(max_draft_len=16))
+    s.acceptance.tried[:] = 1e6  # acceptance 0: verifying anything only costs
+    choices = [s.select(draft(8)) for _ in range(8)]
+    assert choices == [0, 0, 0, 1, 0, 0, 0, 1]  # probing at the cheapest positive k (costs grow with k)
+
+
+def test_confidence_scheduler_cuts_where_whole_prefix_probability_drops_below_threshold():
+    s = ConfidenceScheduler(threshold=0.5)
+    s.reset(PromptLookupDrafter(max_draft_len=8))
+    s.acceptance.tried[:] = 1e6
+    s.acceptance.accepted[:] = 0.8e6  # 0.8, 0.64, 0.512, 0.41: three stay above 0.5
+    assert s.select(draft(8)) == 3
+
+
+def test_calibration_learns_per_confidence_bin():
+    model = AcceptanceModel(4)
+    for _ in range(200):
+        model.update(draft(2, [0.95, 0.95]), accepted=2)  # confident drafts: accepted
+        model.update(draft(2, [0.05, 0.05]), accepted=0)  # unconfident ones: rejected at once
+    high, low = model.predict(draft(2, [0.95, 0.95])), model.predict(draft(2, [0.05, 0.05]))
+    assert high[0] > 0.98 and low[0] < 0.02
+    assert model.tried[1, 0] == 0  # a position after a rejection was never tried
+
+
+def test_calibration_file_round_trip_and_mismatch(tmp_path):
+    s = CostAwareScheduler(costs={1: 1.0, 17: 3.0})
+    model = tiny_model("llama", 64, 1, seed=0)
+    prompt = torch.tensor([[5, 6, 7, 5, 6, 7, 5, 6]])
+    drafter = PromptLookupDrafter()
+    hybrid.generate(model, prompt, drafter=drafter, scheduler=s, max_new_tokens=30)
+    path = tmp_path / "calibration.json"
+    s.save_calibration(path)
+    loaded = CostAwareScheduler(calibration=str(path), costs={1: 1.0, 17: 3.0})
+    loaded.reset(drafter, model)
+    assert torch.equal(loaded.acceptance.tried, s.acceptance.tried)
+    other = tiny_model("qwen2", 80, 1, seed=0)
+    with pytest.raises(ValueError, match="was measured for .* not for"):
+        CostAwareScheduler(calibration=str(path)).reset(drafter, other)
+    with pytest.raises(ValueError, match="cannot read calibration file"):
+        CostAwareScheduler(calibration=str(tmp_path / "missing.json")).reset(drafter, model)
+    assert json.loads(path.read_text())["fingerprint"] == pair_fingerprint(drafter, model)
+
+
+def test_verify_cost_is_measured_and_rescaled():
+    costs = measure_verify_costs(tiny_model("llama", 64, 1, seed=0), sizes=(1, 5), repeats=1)
+    assert set(costs) == {1, 5} and all(t > 0 for t in costs.values())
+    curve = VerifyCostModel({1: 1.0, 5: 2.0})
+    assert curve.cost(3) == pytest.approx(1.5) and curve.cost(9) == pytest.approx(3.0)
+    for _ in range(200):
+        curve.observe(3, 3.0)  # the machine got twice as slow
+    assert curve.cost(3) == pytest.approx(3.0, rel=1e-3)
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.5])
+def test_bad_threshold(bad):
+    with pytest.raises(ValueError, match="threshold"):
+        ConfidenceScheduler(bad)
+
+
+@pytest.mark.parametrize("k", [0, 17, 2.5])
+def test_bad_fixed_k(k):
+    with pytest.raises(ValueError, match="draft length k"):
+        FixedScheduler(k).reset(PromptLookupDrafter(max_draft_len=16))
