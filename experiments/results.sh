@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Regenerates every figure in the README's "Results" section into docs/results (about 45 minutes on 2 cores).
+# Interrupted? Run it again: the sweeps resume from their runs.jsonl.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python -m pip install -q -e ".[experiments]"  # matplotlib, for the plots
+python -m experiments.acceptance --datasets mt-bench,humaneval --drafters none,lookup,oracle --schedulers cost-aware \
+    --block-sizes 16 --temperatures 0,0.7 --num-prompts 10 --max-new-tokens 128 --out runs/drafters
+python -m experiments.acceptance --datasets mt-bench,humaneval --drafters lookup \
+    --schedulers fixed-1,fixed-3,fixed-4,fixed-7,fixed-16,heuristic,cost-aware --block-sizes 16 \
+    --num-prompts 10 --max-new-tokens 128 --out runs/schedulers
+python -m experiments.calibration --dataset dev --num-prompts 8 --max-new-tokens 128 --out runs/calibration
+for run in drafters schedulers calibration; do
+    mkdir -p "docs/results/$run"
+    cp runs/$run/*.png runs/$run/*.md runs/$run/*.csv runs/$run/*.json "docs/results/$run/" 2>/dev/null || true
+done
