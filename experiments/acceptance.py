@@ -28,7 +28,6 @@ import hashlib
 import json
 import math
 import os
-import re
 import shlex
 import sys
 import time

@@ -16,7 +16,6 @@ import argparse
 import json
 from pathlib import Path
 
-import torch
 
 import hybrid
 from experiments.datasets import load_prompts

@@ -20,6 +20,7 @@ from transformers import DynamicCache
 import hybrid
 
 NEAR_TIE_EPS = 1e-4  # absolute gap between the top-2 processed scores (float32)
+GREEDY_CHECKS = {"checked": 0, "near_ties": 0}  # how often the near-tie exception was needed, this process
 
 
 @dataclass
@@ -38,6 +39,7 @@ def check_greedy_lossless(model, input_ids: torch.Tensor, drafter, scheduler=Non
     prompt_len = input_ids.shape[1]
     expected, got = ref.sequences[0, prompt_len:], out[0, prompt_len:]
     check_stats_consistent(stats, got.shape[0])
+    GREEDY_CHECKS["checked"] += 1
     if torch.equal(expected, got):
         return GreedyReport(ref.sequences, out, stats, None)
     n = min(expected.shape[0], got.shape[0])
@@ -56,6 +58,7 @@ def check_greedy_lossless(model, input_ids: torch.Tensor, drafter, scheduler=Non
             f"{int(got[j])}; top-2 score gap {gap:.3g} >= {NEAR_TIE_EPS} (not a near tie)\n"
             f"expected {expected.tolist()}\n     got {got.tolist()}"
         )
+    GREEDY_CHECKS["near_ties"] += 1
     return GreedyReport(ref.sequences, out, stats, j)
 
 
