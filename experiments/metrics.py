@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from collections import Counter
 
+from hybrid.stats import GenerationStats
+
 
 def tau(emitted: list[int]) -> float:
     """Mean tokens emitted per verifier forward (1.0 for plain decoding)."""
-    return sum(emitted) / len(emitted) if emitted else float("nan")
+    return GenerationStats(emitted=list(emitted)).tau if emitted else float("nan")
 
 
 def position_counts(drafted: list[int], accepted: list[int]) -> tuple[list[int], list[int]]:
@@ -53,8 +55,7 @@ def accepted_length_histogram(drafted: list[int], accepted: list[int]) -> list[i
 
 def acceptance_rate(drafted: list[int], accepted: list[int]) -> float:
     """Accepted / drafted over all steps (nan when nothing was drafted)."""
-    total = sum(drafted)
-    return sum(accepted) / total if total else float("nan")
+    return GenerationStats(drafted=list(drafted), accepted=list(accepted)).acceptance_rate
 
 
 def ratios(numerators: list[int], denominators: list[int]) -> list[float]:
