@@ -43,6 +43,7 @@ import hybrid
 from drafters import Drafter, OracleDrafter, PromptLookupDrafter
 from experiments import metrics, plots
 from experiments.datasets import load_prompts
+from hybrid.prompts import encode_prompt
 from schedulers import Scheduler
 from schedulers.registry import NAMES_HELP, check_scheduler_name, make_scheduler
 
@@ -256,16 +257,6 @@ def make_plan(args: argparse.Namespace) -> Plan:
 # Running: one prompt at a time, every pending configuration on it, plain generate once as reference.
 
 
-def encode(tokenizer, text: str) -> torch.Tensor:
-    """The prompt as the model expects it: through its chat template when it has one."""
-    if getattr(tokenizer, "chat_template", None):
-        messages = [{"role": "user", "content": text}]
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)[
-            "input_ids"
-        ]
-    return tokenizer(text, return_tensors="pt")["input_ids"]
-
-
 def decoding_settings(temperature: float, max_new_tokens: int) -> dict:
     sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
     return {"max_new_tokens": max_new_tokens} | sampling
@@ -334,7 +325,7 @@ def run_shard(plan: Plan, prompts: list[Prompt], done: set[tuple], runs_path: Pa
     if not total:
         return []
     model, tokenizer = load(plan.model)
-    warm_up = encode(tokenizer, pending[0][0].text)
+    warm_up = encode_prompt(tokenizer, pending[0][0].text)
     model.generate(warm_up, attention_mask=torch.ones_like(warm_up), max_new_tokens=2, do_sample=False)  # first-call costs
 
     records = []
@@ -342,7 +333,7 @@ def run_shard(plan: Plan, prompts: list[Prompt], done: set[tuple], runs_path: Pa
     schedulers = {config: config.make_scheduler() for config in plan.configs}
     bar = tqdm(total=total, desc="acceptance", unit="run", disable=not show_progress, dynamic_ncols=True)
     for prompt, todo in pending:
-        input_ids = encode(tokenizer, prompt.text).to(model.device)
+        input_ids = encode_prompt(tokenizer, prompt.text).to(model.device)
         # Plain generate once per prompt and temperature; the greedy one is also the reference output.
         baselines = {0.0: plain_generate(model, input_ids, 0.0, plan, prompt)}
         reference = baselines[0.0][0]

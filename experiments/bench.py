@@ -21,6 +21,7 @@ import torch
 import hybrid
 from drafters import OracleDrafter, PromptLookupDrafter
 from experiments.datasets import load_prompts
+from hybrid.prompts import encode_prompt
 from schedulers import FixedScheduler
 
 METHODS = ("plain", "hf-lookup", "hybrid-none", "hybrid-lookup", "oracle")
@@ -63,11 +64,7 @@ def main(argv=None):
 
     model, tokenizer, _ = hybrid.load_default()
     torch.set_grad_enabled(False)
-    inputs = [
-        tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                      return_tensors="pt", return_dict=True)["input_ids"]
-        for p in prompts
-    ]  # fmt: skip
+    inputs = [encode_prompt(tokenizer, p) for p in prompts]
     model(inputs[0][:, :8])  # warm-up
     references = [model.generate(x, max_new_tokens=args.max_new_tokens, do_sample=False) for x in inputs]
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import hybrid
 from experiments.datasets import load_prompts
+from hybrid.prompts import encode_prompt
 from schedulers import CostAwareScheduler
 
 
@@ -60,8 +61,7 @@ def main(argv=None):
     scheduler = RecordingScheduler()
     schedule_time = total_time = steps = 0
     for prompt in prompts:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                            return_tensors="pt", return_dict=True)["input_ids"]  # fmt: skip
+        ids = encode_prompt(tokenizer, prompt)
         _, stats = hybrid.generate(model, ids, drafter=drafter, scheduler=scheduler, max_new_tokens=args.max_new_tokens,
                                    return_stats=True)  # fmt: skip
         schedule_time, total_time, steps = schedule_time + stats.schedule_time, total_time + stats.total_time, steps + stats.verifier_forwards

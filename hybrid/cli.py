@@ -15,6 +15,7 @@ from transformers import TextStreamer
 
 import hybrid
 from drafters import PromptLookupDrafter
+from hybrid.prompts import encode_prompt
 
 DRAFTERS = ("default", "prompt-lookup", "none")
 
@@ -36,10 +37,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model, tokenizer, default_drafter = hybrid.load_default()
     drafter = {"default": default_drafter, "prompt-lookup": PromptLookupDrafter(), "none": None}[args.drafter]
-    messages = [{"role": "user", "content": args.prompt}]
-    input_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)[
-        "input_ids"
-    ]
+    input_ids = encode_prompt(tokenizer, args.prompt)
     settings = {"max_new_tokens": args.max_new_tokens, "do_sample": args.do_sample}
     settings.update({k: v for k, v in (("temperature", args.temperature), ("top_p", args.top_p)) if v is not None})
 

@@ -8,7 +8,6 @@ is prod_{i<=j} a_i, so the expected number accepted when verifying k is E(k) = s
 from __future__ import annotations
 
 import itertools
-import math
 
 from drafters.base import Draft
 from schedulers.base import Scheduler
@@ -111,8 +110,7 @@ class CostAwareScheduler(_Calibrated):
     def select(self, draft: Draft) -> int:
         if not len(draft):
             return 0
-        expected = expected_accepted(self.acceptance.predict(draft))
-        rate = [(expected[k] + 1) / (self.draft_cost + self.verify_costs.cost(k + 1)) for k in range(len(draft) + 1)]
+        rate = self.expected_rates(draft)
         best = max(range(len(rate)), key=rate.__getitem__)
         if best == 0:  # still verify the best positive k now and then, or a bad start would never be unlearned
             self._declined += 1
@@ -125,7 +123,7 @@ class CostAwareScheduler(_Calibrated):
         self.verify_costs.observe(len(draft) + 1, verify_time)
         self.draft_cost += 0.05 * (draft_time - self.draft_cost)
 
-    def expected_rate(self, draft: Draft, k: int) -> float:
-        """The objective at k (for reports and tests)."""
+    def expected_rates(self, draft: Draft) -> list[float]:
+        """The objective for k = 0..len(draft): expected emitted tokens per second."""
         expected = expected_accepted(self.acceptance.predict(draft))
-        return (expected[k] + 1) / (self.draft_cost + self.verify_costs.cost(k + 1)) if k <= len(draft) else math.nan
+        return [(expected[k] + 1) / (self.draft_cost + self.verify_costs.cost(k + 1)) for k in range(len(draft) + 1)]

@@ -10,6 +10,7 @@ import pytest
 import hybrid
 from drafters import PromptLookupDrafter
 from hybrid.cli import main as cli_main
+from hybrid.prompts import encode_prompt
 from hybrid.testing import check_greedy_lossless
 from schedulers import FixedScheduler
 
@@ -28,13 +29,6 @@ def default():
     return hybrid.load_default()
 
 
-def chat(tokenizer, prompt):
-    messages = [{"role": "user", "content": prompt}]
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)[
-        "input_ids"
-    ]
-
-
 def test_load_default_is_smollm2_with_prompt_lookup(default):
     model, tokenizer, drafter = default
     assert model.config.vocab_size == len(tokenizer) == 49152
@@ -45,7 +39,7 @@ def test_load_default_is_smollm2_with_prompt_lookup(default):
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_real_verifier_greedy_is_lossless(default, prompt):
     model, tokenizer, drafter = default
-    report = check_greedy_lossless(model, chat(tokenizer, prompt), drafter, FixedScheduler(8), max_new_tokens=96)
+    report = check_greedy_lossless(model, encode_prompt(tokenizer, prompt), drafter, FixedScheduler(8), max_new_tokens=96)
     assert report.near_tie_at is None, f"near tie at new token {report.near_tie_at}"
 
 

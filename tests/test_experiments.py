@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from experiments import acceptance, metrics, plots
+from hybrid.prompts import encode_prompt
 from experiments.acceptance import DrafterEntry, load_tiny_model, make_plan, parse_args, run_key, run_shard
 
 REPO = Path(__file__).resolve().parent.parent
@@ -131,10 +132,10 @@ def test_bad_input_fails_before_any_model_loads(args, message, monkeypatch, caps
 
 def test_chat_template_applied_when_the_tokenizer_has_one():
     _, tokenizer = load_tiny_model()
-    templated = acceptance.encode(tokenizer, "hi")[0].tolist()
+    templated = encode_prompt(tokenizer, "hi")[0].tolist()
     assert tokenizer.decode(templated) == "<user>hi\n<assistant>"
     tokenizer.chat_template = None
-    assert tokenizer.decode(acceptance.encode(tokenizer, "hi")[0].tolist()) == "hi"
+    assert tokenizer.decode(encode_prompt(tokenizer, "hi")[0].tolist()) == "hi"
 
 
 # ---------------------------------------------------------------------------------------------------

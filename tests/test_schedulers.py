@@ -30,7 +30,7 @@ def test_cost_aware_picks_the_rate_maximising_k():
     s.acceptance.tried[:] = 1e6  # make the calibration say exactly 0.9 at every position
     s.acceptance.accepted[:] = 0.9e6
     d = draft(16)
-    rates = [s.expected_rate(d, k) for k in range(17)]
+    rates = s.expected_rates(d)
     assert s.select(d) == max(range(17), key=rates.__getitem__) == 6
 
 
