@@ -1,8 +1,14 @@
-"""Drafters propose tokens; the verifier decides. One file per drafter, the interface in `base.py`."""
+"""Drafters propose tokens; the verifier decides. One file per drafter, the interface in `base.py`.
+
+The block-diffusion drafter is `block_diffusion.py`; its training: `corpus.py` (prompts and texts),
+`distill.py` (verifier data and features), `training.py` (batches, loss), `train.py` (the command).
+"""
 
 from drafters.base import Draft, DraftContext, Drafter, DraftError
+from drafters.block_diffusion import BlockDiffusionDrafter
 from drafters.model_drafter import ModelDrafter
 from drafters.oracle import OracleDrafter
 from drafters.prompt_lookup import PromptLookupDrafter
 
-__all__ = ["Draft", "DraftContext", "DraftError", "Drafter", "ModelDrafter", "OracleDrafter", "PromptLookupDrafter"]
+__all__ = ["BlockDiffusionDrafter", "Draft", "DraftContext", "DraftError", "Drafter", "ModelDrafter", "OracleDrafter",
+           "PromptLookupDrafter"]

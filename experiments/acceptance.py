@@ -41,6 +41,7 @@ from tqdm import tqdm
 
 import hybrid
 from drafters import Drafter, OracleDrafter, PromptLookupDrafter
+from experiments import trained_drafters
 from experiments import metrics, plots
 from experiments.datasets import load_prompts
 from hybrid.prompts import encode_prompt
@@ -56,19 +57,29 @@ RUNS_FILE, SUMMARY_FILE, REPORT_FILE = "runs.jsonl", "summary.csv", "report.md"
 
 @dataclass(frozen=True)
 class DrafterEntry:
-    """How to build a drafter for one run: make(block_size, reference) where `reference` is the plain
-    greedy `model.generate` output for the prompt ([1, prompt + new]; only an oracle reads it)."""
+    """How to build a drafter for one run: make(block_size, reference, model) where `reference` is the plain
+    greedy `model.generate` output for the prompt ([1, prompt + new]; only an oracle reads it) and `model`
+    the verifier (drafters conditioned on it need it)."""
 
-    make: Callable[[int, torch.Tensor], Drafter]
+    make: Callable[[int, torch.Tensor, object], Drafter]
     default_block_size: int
     max_block_size: int | None = None  # the most it can propose per step (a block model's trained size); None: any
 
 
 DRAFTERS: dict[str, DrafterEntry | None] = {
     "none": None,  # plain decoding through the engine: tau 1, the engine's own overhead
-    "lookup": DrafterEntry(lambda block, reference: PromptLookupDrafter(max_draft_len=block), default_block_size=10),
+    "lookup": DrafterEntry(lambda block, reference, model: PromptLookupDrafter(max_draft_len=block), default_block_size=10),
     # The verifier's own greedy text at zero cost: the ceiling of speculative decoding on this machine.
-    "oracle": DrafterEntry(lambda block, reference: OracleDrafter(reference, max_draft_len=block), default_block_size=16),
+    "oracle": DrafterEntry(lambda block, reference, model: OracleDrafter(reference, max_draft_len=block),
+                           default_block_size=16),
+    # The shipped block-diffusion drafter (block size here = drafted tokens; the block adds the anchor).
+    "block": DrafterEntry(lambda block, reference, model: trained_drafters.block(model, block),
+                          default_block_size=trained_drafters.MAX_DRAFTED, max_block_size=trained_drafters.MAX_DRAFTED),
+    "block-lookup": DrafterEntry(lambda block, reference, model: trained_drafters.block(model, block, lookup=True),
+                                 default_block_size=trained_drafters.MAX_DRAFTED,
+                                 max_block_size=trained_drafters.MAX_DRAFTED),
+    # The 1-layer AR baseline of the same trainable budget (`python -m drafters.train --arch ar`).
+    "ar": DrafterEntry(lambda block, reference, model: trained_drafters.ar(model, block), default_block_size=6),
 }
 
 @dataclass(frozen=True)
@@ -80,9 +91,9 @@ class Config:
     block_size: int | None
     temperature: float
 
-    def make_drafter(self, reference: torch.Tensor) -> Drafter | None:
+    def make_drafter(self, reference: torch.Tensor, model) -> Drafter | None:
         entry = DRAFTERS[self.drafter]
-        return None if entry is None else entry.make(self.block_size, reference)
+        return None if entry is None else entry.make(self.block_size, reference, model)
 
     def make_scheduler(self) -> Scheduler | None:
         return None if self.scheduler is None else make_scheduler(self.scheduler, self.block_size)
@@ -280,7 +291,7 @@ def run_one(model, input_ids, config: Config, fields: dict, reference, baseline,
     """Decode one prompt under one configuration; the record that goes to runs.jsonl."""
     generator = torch.Generator(device=model.device).manual_seed(seed_for(*run_key(fields)))
     out, stats = hybrid.generate(
-        model, input_ids, drafter=config.make_drafter(reference), scheduler=scheduler or config.make_scheduler(),
+        model, input_ids, drafter=config.make_drafter(reference, model), scheduler=scheduler or config.make_scheduler(),
         generator=generator, return_stats=True, **decoding_settings(config.temperature, fields["max_new_tokens"]),
     )  # fmt: skip
     baseline_out, baseline_time = baseline

@@ -3,7 +3,8 @@
     python -m experiments.bench --dataset dev --num-prompts 8 --max-new-tokens 128 --repeats 3
 
 Methods: plain `model.generate`; HF assisted generation with prompt lookup; hybrid with no drafter,
-with prompt lookup, and with an oracle drafter that proposes the verifier's own greedy continuation
+with prompt lookup, with the shipped block-diffusion drafter (alone and with n-gram lookup), with the
+1-layer AR baseline drafter (`python -m drafters.train --arch ar`), and with an oracle drafter that proposes the verifier's own greedy continuation
 at zero cost (the ceiling of speculative decoding for this verifier on this machine). Greedy only:
 every hybrid output is checked against plain `generate`'s.
 """
@@ -20,11 +21,14 @@ import torch
 
 import hybrid
 from drafters import OracleDrafter, PromptLookupDrafter
+from experiments import trained_drafters
 from experiments.datasets import load_prompts
 from hybrid.prompts import encode_prompt
 from schedulers import FixedScheduler
 
-METHODS = ("plain", "hf-lookup", "hybrid-none", "hybrid-lookup", "oracle")
+METHODS = ("plain", "hf-lookup", "hybrid-none", "hybrid-lookup", "hybrid-block", "hybrid-block-lookup", "hybrid-ar",
+           "oracle")
+DEFAULT_METHODS = ("plain", "hf-lookup", "hybrid-none", "hybrid-lookup", "hybrid-block-lookup", "oracle")
 
 
 def run_method(method, model, input_ids, reference, max_new_tokens):
@@ -39,6 +43,9 @@ def run_method(method, model, input_ids, reference, max_new_tokens):
         drafter = {
             "hybrid-none": lambda: None,
             "hybrid-lookup": PromptLookupDrafter,
+            "hybrid-block": lambda: trained_drafters.block(model, 15),
+            "hybrid-block-lookup": lambda: trained_drafters.block(model, 15, lookup=True),
+            "hybrid-ar": lambda: trained_drafters.ar(model, 6),
             "oracle": lambda: OracleDrafter(reference),
         }[method]()
         scheduler = FixedScheduler(16) if method == "oracle" else None
@@ -53,7 +60,7 @@ def main(argv=None):
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {METHODS}")
+    parser.add_argument("--methods", default=",".join(DEFAULT_METHODS), help=f"comma-separated subset of {METHODS}")
     parser.add_argument("--out", default="runs/bench", help="folder for results.json")
     args = parser.parse_args(argv)
     methods = args.methods.split(",")

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Regenerates every figure in the README's "Results" section into docs/results (about 45 minutes on 2 cores).
+# Regenerates every figure in the README's "Results" section into docs/results (about 70 minutes on 2 cores).
 # Interrupted? Run it again: the sweeps resume from their runs.jsonl.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,7 +10,11 @@ python -m experiments.acceptance --datasets mt-bench,humaneval --drafters lookup
     --schedulers fixed-1,fixed-3,fixed-4,fixed-7,fixed-16,heuristic,cost-aware --block-sizes 16 \
     --num-prompts 10 --max-new-tokens 128 --out runs/schedulers
 python -m experiments.calibration --dataset dev --num-prompts 8 --max-new-tokens 128 --out runs/calibration
-for run in drafters schedulers calibration; do
+# The trained drafters (issue 3): the shipped block-diffusion drafter alone and with n-gram lookup, prompt lookup,
+# and the 1-layer AR baseline (needs `python -m drafters.train --arch ar --steps 1600 --threads 1` first).
+python -m experiments.acceptance --datasets mt-bench,humaneval --drafters lookup,block,block-lookup,ar \
+    --schedulers fixed,cost-aware --block-sizes 7 --num-prompts 6 --max-new-tokens 256 --out runs/trained
+for run in drafters schedulers calibration trained; do
     mkdir -p "docs/results/$run"
     cp runs/$run/*.png runs/$run/*.md runs/$run/*.csv runs/$run/*.json "docs/results/$run/" 2>/dev/null || true
 done

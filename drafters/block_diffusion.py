@@ -1,0 +1,412 @@
+"""Block-diffusion drafter: fills a block of masked positions in one parallel pass, conditioned on the verifier.
+
+The block is `[anchor, MASK, ..., MASK]` (B positions): the anchor is the token the verifier just chose,
+the masks are the B - 1 tokens to draft. Attention is bidirectional inside the block. The context is not
+text the drafter re-reads: it is the verifier's own hidden states of several layers, concatenated,
+projected (linear + RMSNorm) and used as extra keys/values by every drafter layer (DFlash's design).
+At draft time the verifier has states only up to the token BEFORE the anchor; training uses exactly that
+visibility (drafters.train). The token embedding and LM head are the verifier's (frozen, never saved);
+the head is restricted to a draft vocabulary (the tokens the verifier actually emits), which makes
+training and drafting cheaper and keeps both in the same space.
+
+Only the projected context keys/values are cached, one row per committed token; a rollback of the
+verifier is a rollback of this cache (rows are dropped where the committed tokens changed).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from drafters.base import Draft, DraftContext, Drafter
+from drafters.prompt_lookup import lookup_continuation
+
+CONFIG_NAME = "drafter_config.json"
+FEATURE_CLIP = 8.0
+WEIGHTS_NAME = "model.safetensors"
+
+
+@dataclass
+class BlockDiffusionConfig:
+    hidden_size: int = 576
+    num_layers: int = 1
+    num_heads: int = 9
+    num_kv_heads: int = 3
+    head_dim: int = 64
+    intermediate_size: int = 1536
+    block_size: int = 16  # anchor + block_size - 1 drafted positions
+    target_layers: tuple[int, ...] = (2, 9, 16, 23, 30)  # indices into the verifier's hidden_states tuple
+    rope_theta: float = 100000.0
+    rms_norm_eps: float = 1e-5
+    draft_vocab_size: int = 8192
+    verifier: dict = field(default_factory=dict)  # verifier_fingerprint() of the verifier it was trained for
+
+    @classmethod
+    def for_verifier(cls, model, **overrides) -> BlockDiffusionConfig:
+        """A config whose width, heads and RoPE follow `model` (so its embedding and head fit)."""
+        text = model.config.get_text_config()
+        rope = getattr(text, "rope_parameters", None) or {}
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        layers = text.num_hidden_layers
+        defaults = dict(
+            hidden_size=text.hidden_size, num_heads=text.num_attention_heads, head_dim=head_dim,
+            num_kv_heads=getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
+            intermediate_size=text.intermediate_size, rope_theta=rope.get("rope_theta", 10000.0),
+            rms_norm_eps=getattr(text, "rms_norm_eps", 1e-5),
+            # Five layers spread from low to the last (DFlash fuses low, middle and high features).
+            target_layers=tuple(sorted({max(1, round(layers * f)) for f in (0.07, 0.3, 0.53, 0.77, 1.0)})),
+            verifier=verifier_fingerprint(model),
+        )
+        defaults.update(overrides)
+        return cls(**defaults)
+
+
+def verifier_fingerprint(model) -> dict:
+    """What must match between a checkpoint and the verifier it is loaded for."""
+    text = model.config.get_text_config()
+    embedding = model.get_input_embeddings().weight.detach()
+    # Hashed in bfloat16 so the same verifier loaded in float32, bfloat16 or float16 matches.
+    data = embedding.to("cpu", torch.bfloat16).view(torch.int16).numpy().tobytes()
+    return {
+        "architecture": type(model).__name__,
+        "hidden_size": text.hidden_size,
+        "vocab_size": embedding.shape[0],
+        "num_layers": text.num_hidden_layers,
+        "embedding_sha256": hashlib.sha256(data).hexdigest()[:16],
+    }
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+
+def rotary(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [..., n, head_dim] for integer `positions` [..., n] (Llama's rotate-half convention)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)
+    angles = positions.float()[..., None] * inv_freq
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [S, heads, n, d]; cos/sin [S, n, d]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None] + rotated * sin[:, None]
+
+
+class DraftLayer(nn.Module):
+    """A Llama decoder layer whose keys/values are [verifier context features ; block tokens]."""
+
+    def __init__(self, c: BlockDiffusionConfig):
+        super().__init__()
+        self.c = c
+        self.input_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+        self.post_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def _heads(self, x: torch.Tensor, num: int) -> torch.Tensor:
+        return x.view(*x.shape[:-1], num, self.c.head_dim).transpose(1, 2)  # [S, heads, n, d]
+
+    def keys_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated keys and values [S, kv_heads, n, d] of inputs x [S, n, hidden]."""
+        k = apply_rotary(self._heads(self.k_proj(x), self.c.num_kv_heads), cos, sin)
+        return k, self._heads(self.v_proj(x), self.c.num_kv_heads)
+
+    def forward(self, x, context_k, context_v, cos, sin, mask):
+        h = self.input_norm(x)
+        q = apply_rotary(self._heads(self.q_proj(h), self.c.num_heads), cos, sin)
+        k, v = self.keys_values(h, cos, sin)
+        k, v = torch.cat([context_k, k], dim=2), torch.cat([context_v, v], dim=2)
+        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        x = x + self.o_proj(attn.transpose(1, 2).flatten(2))
+        h = self.post_norm(x)
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+class BlockDiffusionModel(nn.Module):
+    """The trainable part: context fusion, a mask embedding, the layers and a final norm."""
+
+    def __init__(self, config: BlockDiffusionConfig):
+        super().__init__()
+        c = self.config = config
+        self.fuse = nn.Linear(len(c.target_layers) * c.hidden_size, c.hidden_size, bias=False)
+        self.fuse_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        # One mask embedding per block position (plus the anchor's embedding, see block_inputs): with identical
+        # inputs, masked positions could tell apart only through RoPE, which one layer does poorly.
+        self.mask_embedding = nn.Parameter(torch.zeros(c.block_size, c.hidden_size))
+        self.layers = nn.ModuleList(DraftLayer(c) for _ in range(c.num_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.register_buffer("draft_vocab", torch.arange(c.draft_vocab_size), persistent=True)
+        # Verifier states carry "massive activations" (a few dims up to ~25,000 while the rest are ~1-10): they are
+        # standardised per dim with statistics of the training features, then clipped, before the projection.
+        width = len(c.target_layers) * c.hidden_size
+        self.register_buffer("feature_shift", torch.zeros(width), persistent=True)
+        self.register_buffer("feature_scale", torch.ones(width), persistent=True)
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=0.02)
+
+    def block_inputs(self, token_embeds: torch.Tensor, known: torch.Tensor) -> torch.Tensor:
+        """Inputs [..., B, hidden] of a block from its token embeddings [..., B, hidden] (anchor first) and `known`
+        [..., B]. Masked position i gets mask embedding i plus the anchor's embedding: every position then
+        knows the anchor without attending to it, which an AR layer gets for free and a 1-layer block model
+        otherwise learns slowly."""
+        size = token_embeds.shape[-2]
+        masked = self.mask_embedding[:size].to(token_embeds.dtype) + token_embeds[..., :1, :]
+        return torch.where(known[..., None], token_embeds, masked)
+
+    def context(self, hidden_states: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer (keys, values) [S, kv_heads, n, d] of verifier states [S, n, len(target_layers) * hidden]."""
+        x = (hidden_states.to(self.fuse.weight.dtype) - self.feature_shift) / self.feature_scale
+        features = self.fuse_norm(self.fuse(x.clamp(-FEATURE_CLIP, FEATURE_CLIP)))
+        cos, sin = rotary(positions, self.config.head_dim, self.config.rope_theta)
+        return [layer.keys_values(features, cos, sin) for layer in self.layers]
+
+    def forward(self, block_embeds, block_positions, context, mask=None) -> torch.Tensor:
+        """Final hidden states [S, q, hidden] of block inputs [S, q, hidden] at `block_positions` [S, q].
+
+        `context` comes from `context()`; `mask` [S, 1, q, n + q] (True = may attend) or None (all visible).
+        """
+        cos, sin = rotary(block_positions, self.config.head_dim, self.config.rope_theta)
+        x = block_embeds
+        for layer, (k, v) in zip(self.layers, context):
+            x = layer(x, k, v, cos, sin, mask)
+        return self.norm(x)
+
+
+def frozen_verifier_parts(model, draft_vocab: torch.Tensor) -> tuple[nn.Embedding, torch.Tensor]:
+    """The verifier's token embedding and its LM head rows for `draft_vocab` (both frozen)."""
+    head = model.get_output_embeddings()
+    if getattr(head, "bias", None) is not None:
+        raise ValueError("BlockDiffusionDrafter needs a verifier whose LM head has no bias")
+    return model.get_input_embeddings(), head.weight.detach()[draft_vocab.to(head.weight.device)]
+
+
+class BlockDiffusionDrafter(Drafter):
+    """The `Drafter` around a `BlockDiffusionModel` and the verifier it was trained for.
+
+    Args:
+        model: the trained `BlockDiffusionModel`.
+        verifier: the verifier model (its embedding and head are used; its fingerprint must match).
+        steps: denoising passes per draft (1 = one parallel pass). With more, each pass fixes the
+            longest run of leading still-masked positions whose confidence is >= `threshold` (at least
+            one) and re-predicts the rest with them as input. Fixing a left-to-right prefix keeps
+            rejection sampling exact: every token is drawn given only tokens to its left.
+        block_size: positions per block at run time (anchor included), 2..the trained block size.
+        lookup_ngram: if > 0, an n-gram match of at least this length in the context (prompt lookup)
+            supplies the first block positions; the model fills in the rest given them. 0 turns it off.
+    """
+
+    def __init__(self, model: BlockDiffusionModel, verifier, tokenizer=None, steps: int = 1, threshold: float = 0.9,
+                 block_size: int | None = None, lookup_ngram: int = 0):
+        c = model.config
+        block_size = c.block_size if block_size is None else block_size
+        if not 2 <= block_size <= c.block_size:
+            raise ValueError(f"block_size {block_size} outside 2..{c.block_size} (the block size it was trained with)")
+        if steps < 1:
+            raise ValueError(f"steps must be >= 1, got {steps}")
+        if not 0.0 <= threshold <= 1.0:
+            raise ValueError(f"threshold must be in [0, 1], got {threshold}")
+        if lookup_ngram < 0:
+            raise ValueError(f"lookup_ngram must be >= 0, got {lookup_ngram}")
+        check_fingerprint(c.verifier, verifier_fingerprint(verifier))
+        self.model = model.to(verifier.device).eval()
+        self.embed, self.head = frozen_verifier_parts(verifier, model.draft_vocab)
+        self.vocab_size = verifier.get_input_embeddings().weight.shape[0]
+        self.tokenizer = tokenizer
+        self.hidden_layers = tuple(c.target_layers)
+        self.block_size, self.max_draft_len = block_size, block_size - 1
+        self.steps, self.threshold, self.lookup_ngram = steps, threshold, lookup_ngram
+        weights = hashlib.sha256(b"".join(t.detach().cpu().float().numpy().tobytes() for t in model.state_dict().values()))
+        # Schedulers keep acceptance statistics per drafter: another checkpoint or setting is another drafter.
+        self.fingerprint = f"{weights.hexdigest()[:12]}:b{block_size}:s{steps}:t{threshold}:l{lookup_ngram}"
+        self._reset_cache()
+
+    # -- persistence ------------------------------------------------------------------------------
+
+    def save_pretrained(self, path: str | Path) -> None:
+        save_model(self.model, path)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, verifier, **kwargs) -> BlockDiffusionDrafter:
+        return cls(load_model(path), verifier, **kwargs)
+
+    # -- drafting ---------------------------------------------------------------------------------
+
+    def _reset_cache(self) -> None:
+        self._ids = torch.empty(0, dtype=torch.long)  # committed tokens whose context rows are cached
+        self._keys: list[torch.Tensor] = []  # per layer [1, kv_heads, capacity, d]
+        self._values: list[torch.Tensor] = []
+
+    def reset(self, ctx: DraftContext) -> None:
+        self._reset_cache()
+
+    def _sync_context(self, ctx: DraftContext, committed: torch.Tensor) -> int:
+        """Bring the context cache to the verifier states of committed[:-1]; return its length."""
+        states = ctx.hidden_states()
+        if states is None:
+            raise ValueError("the verifier keeps no hidden states: run BlockDiffusionDrafter through hybrid.generate")
+        states = states[0, ctx.num_padding :]
+        n = committed.shape[0] - 1
+        if states.shape[0] != n:
+            raise ValueError(f"verifier has states for {states.shape[0]} tokens, expected {n} (committed minus the anchor)")
+        # Rows stay valid while the tokens they were computed from are unchanged (a rollback changes them).
+        same = min(self._ids.shape[0], n)
+        diff = (self._ids[:same] != committed[:same].cpu()).nonzero()
+        keep = int(diff[0]) if diff.numel() else same
+        if keep < n:
+            positions = torch.arange(keep, n, device=states.device)[None]
+            new = self.model.context(states[None, keep:n], positions)
+            capacity = self._keys[0].shape[2] if self._keys else 0
+            if n > capacity:
+                grow = lambda t: torch.cat([t, t.new_zeros(*t.shape[:2], max(n, 2 * capacity) - capacity, t.shape[3])], 2)  # noqa: E731
+                if not self._keys:
+                    self._keys = [k.new_zeros(*k.shape[:2], max(n, 256), k.shape[3]) for k, _ in new]
+                    self._values = [v.new_zeros(*v.shape[:2], max(n, 256), v.shape[3]) for _, v in new]
+                else:
+                    self._keys, self._values = [grow(k) for k in self._keys], [grow(v) for v in self._values]
+            for layer, (k, v) in enumerate(new):
+                self._keys[layer][:, :, keep:n] = k
+                self._values[layer][:, :, keep:n] = v
+        self._ids = committed[:n].cpu().clone()
+        return n
+
+    @torch.inference_mode()
+    def block_logits(self, ctx: DraftContext, block: torch.Tensor, known: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits [B - 1, V'] for block positions 1.. given block tokens [B] where `known` [B]."""
+        committed = ctx.input_ids[0, ctx.num_padding :]
+        n = self._sync_context(ctx, committed)
+        embeds = self.model.block_inputs(self.embed(block), known)
+        positions = torch.arange(n, n + block.shape[0], device=block.device)[None]
+        context = [(k[:, :, :n], v[:, :, :n]) for k, v in zip(self._keys, self._values)]
+        hidden = self.model(embeds[None].to(self.model.norm.weight.dtype), positions, context)
+        return (hidden[0, 1:] @ self.head.T.to(hidden.dtype)).float()
+
+    @torch.inference_mode()
+    def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
+        committed = ctx.input_ids[0, ctx.num_padding :]
+        size = self.block_size
+        block = committed.new_zeros(size)
+        block[0] = committed[-1]
+        known = torch.zeros(size, dtype=torch.bool, device=block.device)
+        known[0] = True
+        given_confidence = torch.zeros(size - 1)  # for positions fixed before the last pass
+        if self.lookup_ngram:
+            found, n = lookup_continuation(committed, self.lookup_ngram, max(self.lookup_ngram, 3), size - 1)
+            block[1 : 1 + found.shape[0]] = found
+            known[1 : 1 + found.shape[0]] = True
+            given_confidence[: found.shape[0]] = n / (max(self.lookup_ngram, 3) + 1)  # as PromptLookupDrafter
+        for step in range(self.steps):
+            logits = self.block_logits(ctx, block, known)
+            masked = ~known[1:]
+            if step == self.steps - 1 or not bool(masked.any()):
+                break
+            confidence, best = torch.softmax(logits, -1).max(-1)
+            first = int(masked.nonzero()[0])
+            run = first + 1  # fix the first masked position and the confident masked run after it
+            while run < size - 1 and bool(masked[run]) and float(confidence[run]) >= self.threshold:
+                run += 1
+            block[1 + first : 1 + run] = self.model.draft_vocab[best[first:run]].to(block.dtype)
+            known[1 + first : 1 + run] = True
+            given_confidence[first:run] = confidence[first:run].cpu()
+        return self._choose(ctx, logits, block, known, given_confidence, max_tokens)
+
+    def _choose(self, ctx, logits, block, known, given_confidence, max_tokens) -> Draft:
+        """Tokens for the first `max_tokens` draft positions: given ones as they are, the rest chosen from logits."""
+        vocab = self.model.draft_vocab
+        k = min(max_tokens, self.block_size - 1)
+        plain_greedy = not ctx.do_sample and not ctx.processors
+        tokens, probs, confidence = [], [], []
+        prefix = ctx.input_ids
+        for i in range(k):
+            full = logits.new_full((self.vocab_size,), -math.inf)
+            full[vocab] = logits[i]
+            if bool(known[i + 1]):  # given (lookup or an earlier pass): a deterministic proposal
+                token = int(block[i + 1])
+                q = torch.zeros_like(full)
+                q[token] = 1.0
+                conf = float(given_confidence[i])
+            elif plain_greedy:
+                q = torch.softmax(full, -1)
+                token = int(q.argmax())
+                conf = float(q[token])
+            else:
+                token, q = ctx.choose(full, prefix)
+                conf = float(q[token])
+            tokens.append(token)
+            probs.append(q)
+            confidence.append(conf)
+            if not plain_greedy:
+                prefix = torch.cat([prefix, prefix.new_tensor([[token]])], dim=1)
+        device = ctx.input_ids.device
+        return Draft(
+            torch.tensor(tokens, dtype=torch.long, device=device),
+            torch.stack(probs).to(device) if ctx.do_sample and probs else None,
+            torch.tensor(confidence, device=device),
+        )
+
+
+def check_fingerprint(expected: dict, actual: dict) -> None:
+    if expected != actual:
+        diffs = ", ".join(f"{key} {expected.get(key)!r} != {actual.get(key)!r}" for key in sorted(set(expected) | set(actual))
+                          if expected.get(key) != actual.get(key))
+        raise ValueError(f"this drafter was trained for another verifier ({diffs}): load a checkpoint trained for this "
+                         "verifier, or train one with `python -m drafters.train`")
+
+
+def save_model(model: BlockDiffusionModel, path: str | Path) -> None:
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    state = {name: t.detach().cpu().contiguous() for name, t in model.state_dict().items()}
+    save_file(state, str(path / WEIGHTS_NAME))
+    (path / CONFIG_NAME).write_text(json.dumps(asdict(model.config), indent=2) + "\n")
+
+
+def load_model(path: str | Path) -> BlockDiffusionModel:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    config_file, weights_file = path / CONFIG_NAME, path / WEIGHTS_NAME
+    for file in (config_file, weights_file):
+        if not file.is_file():
+            raise FileNotFoundError(f"{file} not found: a BlockDiffusionDrafter checkpoint is a folder with {CONFIG_NAME} "
+                                    f"and {WEIGHTS_NAME} (written by save_pretrained)")
+    try:
+        raw = json.loads(config_file.read_text())
+        raw["target_layers"] = tuple(raw["target_layers"])
+        config = BlockDiffusionConfig(**raw)
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"{config_file} is not a valid drafter config ({e}): re-save the checkpoint") from None
+    try:
+        state = load_file(str(weights_file))
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{weights_file} is corrupt or not safetensors ({e}): re-save or retrain the checkpoint") from None
+    model = BlockDiffusionModel(config)
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as e:
+        raise ValueError(f"{weights_file} does not match {config_file}: {str(e).splitlines()[0]}") from None
+    return model.eval()

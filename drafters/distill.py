@@ -1,0 +1,160 @@
+"""Self-distillation data: what THIS verifier says, cached on disk stage by stage.
+
+Stage `generate`: the verifier answers training prompts (drafters.corpus) greedily, in batches,
+    one shard file per batch, so a rerun resumes at the first missing shard.
+Stage `features`: one teacher-forced verifier forward per sequence (generated answers and local
+    source documents) records, per position p, what a drafter trains on:
+      - the fused hidden states of `layers` (float16): the drafter's context keys/values;
+      - greedy[p] = the verifier's argmax after x[:p+1], and its top-k probabilities (soft labels);
+    On any text, greedy[p] is an exact target when x[:p+1] is itself the verifier's greedy chain,
+    so local documents give exact targets along their greedy-consistent spans (`on_chain`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from drafters.corpus import chat_prompts, source_documents
+
+
+def _chat(tokenizer, user: str, assistant: str | None = None) -> list[int]:
+    messages = [{"role": "user", "content": user}]
+    if assistant is None:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
+    prompt = _chat(tokenizer, user)
+    return prompt + tokenizer(assistant, add_special_tokens=False)["input_ids"]
+
+
+def generate_shards(model, tokenizer, out_dir: Path, minutes: float, batch_size: int = 64, max_new_tokens: int = 256,
+                    seed: int = 0, max_shards: int | None = None, log=print) -> None:
+    """Greedy answers to the training prompts, `batch_size` per shard: the first `max_shards` shards, or as
+    many as `minutes` of work allow."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    prompts = chat_prompts(seed)
+    batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)][:max_shards]
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos])
+    start, made = time.time(), 0
+    for index, batch in enumerate(batches):
+        path = out_dir / f"gen-{index:05d}.json"
+        if path.exists():
+            continue
+        if time.time() - start > minutes * 60:
+            break
+        encoded = [_chat(tokenizer, p) for p in batch]
+        width = max(map(len, encoded))
+        ids = torch.tensor([[pad] * (width - len(e)) + e for e in encoded])
+        mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in encoded])
+        t0 = time.time()
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                                 pad_token_id=pad)
+        rows = []
+        for prompt, new in zip(encoded, out[:, width:].tolist()):
+            end = next((i + 1 for i, t in enumerate(new) if t in eos), len(new))
+            rows.append({"ids": prompt + new[:end], "prompt_len": len(prompt)})
+        tmp = path.with_suffix(".part")
+        tmp.write_text(json.dumps(rows))
+        tmp.rename(path)
+        tokens = sum(len(r["ids"]) - r["prompt_len"] for r in rows)
+        made += tokens
+        log(f"generate: shard {index + 1}/{len(batches)}: {tokens} tokens in {time.time() - t0:.0f}s "
+            f"({tokens / (time.time() - t0):.0f} tok/s), {made} this run, {time.time() - start:.0f}s elapsed")
+
+
+def load_sequences(gen_dir: Path, tokenizer, doc_tokens: int, max_len: int = 640, max_shards: int | None = None) -> list[dict]:
+    """Generated sequences (of the first `max_shards` shards), then local documents (about `doc_tokens`
+    tokens of them), each cut to `max_len`."""
+    sequences = []
+    for path in sorted(gen_dir.glob("gen-*.json"))[:max_shards]:
+        sequences += [dict(r, ids=r["ids"][:max_len], source="generated") for r in json.loads(path.read_text())]
+    budget = doc_tokens
+    for user, text in source_documents():
+        if budget <= 0:
+            break
+        prompt = _chat(tokenizer, user)
+        ids = _chat(tokenizer, user, text)[:max_len]
+        sequences.append({"ids": ids, "prompt_len": len(prompt), "source": "document"})
+        budget -= len(ids) - len(prompt)
+    return sequences
+
+
+class FeatureStore:
+    """Memory-mapped arrays over all sequences, concatenated; `offsets[i]:offsets[i+1]` is sequence i."""
+
+    def __init__(self, root: Path):
+        meta = json.loads((root / "meta.json").read_text())
+        self.layers, self.top_k, self.hidden_size = meta["layers"], meta["top_k"], meta["hidden_size"]
+        self.offsets = np.array(meta["offsets"])
+        self.prompt_lens = np.array(meta["prompt_lens"])
+        self.sources = meta["sources"]
+        n = int(self.offsets[-1])
+        open_ = lambda name, dtype, shape: np.memmap(root / name, dtype=dtype, mode="r", shape=shape)  # noqa: E731
+        self.ids = open_("ids.bin", np.int32, (n,))
+        self.greedy = open_("greedy.bin", np.int32, (n,))
+        self.top_ids = open_("top_ids.bin", np.int32, (n, self.top_k))
+        self.top_probs = open_("top_probs.bin", np.float16, (n, self.top_k))
+        self.hidden = open_("hidden.bin", np.float16, (n, len(self.layers) * self.hidden_size))
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def sequence(self, i: int) -> dict[str, np.ndarray]:
+        a, b = self.offsets[i], self.offsets[i + 1]
+        return {"ids": self.ids[a:b], "greedy": self.greedy[a:b], "top_ids": self.top_ids[a:b],
+                "top_probs": self.top_probs[a:b], "hidden": self.hidden[a:b], "prompt_len": int(self.prompt_lens[i])}
+
+
+def build_features(model, sequences: list[dict], root: Path, layers: tuple[int, ...], top_k: int = 8,
+                   batch_tokens: int = 4096, log=print) -> FeatureStore:
+    """Teacher-forced verifier features for `sequences`; written once, then reused (delete `root` to rebuild)."""
+    if (root / "meta.json").exists():
+        return FeatureStore(root)
+    root.mkdir(parents=True, exist_ok=True)
+    hidden_size = model.config.hidden_size
+    lengths = [len(s["ids"]) for s in sequences]
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    n = int(offsets[-1])
+    create = lambda name, dtype, shape: np.memmap(root / name, dtype=dtype, mode="w+", shape=shape)  # noqa: E731
+    ids = create("ids.bin", np.int32, (n,))
+    greedy = create("greedy.bin", np.int32, (n,))
+    top_ids = create("top_ids.bin", np.int32, (n, top_k))
+    top_probs = create("top_probs.bin", np.float16, (n, top_k))
+    hidden = create("hidden.bin", np.float16, (n, len(layers) * hidden_size))
+    # Batches of similar length (right-padded: causal attention makes the padding invisible to real tokens).
+    order = sorted(range(len(sequences)), key=lambda i: lengths[i])
+    start, done, i = time.time(), 0, 0
+    while i < len(order):
+        j = i + max(1, batch_tokens // lengths[order[i]])
+        batch = order[i:j]
+        width = max(lengths[k] for k in batch)
+        x = torch.zeros(len(batch), width, dtype=torch.long)
+        for row, k in enumerate(batch):
+            x[row, : lengths[k]] = torch.tensor(sequences[k]["ids"])
+        with torch.inference_mode():
+            out = model(input_ids=x, output_hidden_states=True)
+        probs = torch.softmax(out.logits.float(), dim=-1)
+        top = probs.topk(top_k, dim=-1)
+        states = torch.cat([out.hidden_states[layer] for layer in layers], dim=-1).half()
+        for row, k in enumerate(batch):
+            a, m = offsets[k], lengths[k]
+            ids[a : a + m] = x[row, :m].numpy()
+            greedy[a : a + m] = top.indices[row, :m, 0].numpy()
+            top_ids[a : a + m] = top.indices[row, :m].numpy()
+            top_probs[a : a + m] = top.values[row, :m].half().numpy()
+            hidden[a : a + m] = states[row, :m].numpy()
+        done += sum(lengths[k] for k in batch)
+        i = j
+        log(f"features: {done}/{n} tokens, {done / (time.time() - start):.0f} tok/s")
+    for array in (ids, greedy, top_ids, top_probs, hidden):
+        array.flush()
+    meta = {"layers": list(layers), "top_k": top_k, "hidden_size": hidden_size, "offsets": offsets.tolist(),
+            "prompt_lens": [s["prompt_len"] for s in sequences], "sources": [s["source"] for s in sequences]}
+    (root / "meta.json").write_text(json.dumps(meta))
+    return FeatureStore(root)

@@ -1,0 +1,406 @@
+"""Train a drafter for a verifier by self-distillation, fully offline, resumable at every stage.
+
+    python -m drafters.train                # the shipped block-diffusion drafter for the default verifier
+    python -m drafters.train --arch ar --steps 1600 --threads 1   # the 1-layer AR baseline, same data and budget
+
+The defaults are the recipe of the shipped checkpoint (drafters/checkpoints/smollm2-135m-block/training.json
+records what its run cost).
+
+Stages, each cached under --work-dir (a rerun skips what is done; delete a folder to redo it):
+  1. generate  the verifier answers --gen-shards x 64 training prompts greedily (drafters.corpus);
+  2. features  one teacher-forced verifier pass over those answers and --doc-tokens of local documents
+               records the fused hidden states, greedy targets and top-k soft labels (drafters.distill);
+  3. train     --steps optimizer steps; a checkpoint every --save-every steps (resumed automatically),
+               a held-out acceptance estimate (tau of one-pass greedy drafting) every --eval-every steps.
+Seeded: the same command on the same data gives the same batches, resumed or not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from drafters.block_diffusion import BlockDiffusionConfig, BlockDiffusionModel, frozen_verifier_parts, save_model
+from drafters.distill import FeatureStore, build_features, generate_shards, load_sequences
+from drafters.prompt_lookup import lookup_continuation
+from hybrid.default import DRAFTER_DIR
+from drafters.training import (VocabMap, accepted_lengths, anchor_candidates, block_targets, distill_loss,
+                               draft_vocabulary, lr_at, position_weights)
+
+DEFAULT_WORK_DIR = Path.home() / ".cache" / "hybrid" / "drafter"
+DEFAULT_OUT = DRAFTER_DIR
+
+
+# -- data split ---------------------------------------------------------------------------------------
+
+
+def split(store: FeatureStore, every: int = 20) -> tuple[list[int], list[int]]:
+    """(train, held-out): every `every`-th generated answer is held out; documents all train."""
+    generated = [i for i in range(len(store)) if store.sources[i] == "generated"]
+    held = set(generated[::every])
+    return [i for i in range(len(store)) if i not in held], sorted(held)
+
+
+# -- block-diffusion batches --------------------------------------------------------------------------
+
+
+def block_batch(store, seq_ids, rng, anchors_per_seq, block_size, vmap, reveal_prob=0.0, anchors=None):
+    """Tensors for one step: S sequences x A anchors x B block positions (see drafters.training)."""
+    seqs = [store.sequence(i) for i in seq_ids]
+    S, A, B = len(seqs), anchors_per_seq, block_size
+    width = max(len(s["ids"]) for s in seqs)
+    hidden = torch.zeros(S, width, store.hidden.shape[1])
+    anchor_pos = torch.zeros(S, A, dtype=torch.long)
+    anchor_ok = torch.zeros(S, A, dtype=torch.bool)
+    tokens = torch.zeros(S, A, B, dtype=torch.long)
+    known = torch.zeros(S, A, B, dtype=torch.bool)
+    targets = torch.full((S, A, B - 1), -1, dtype=torch.long)
+    valid = torch.zeros(S, A, B - 1, dtype=torch.bool)
+    soft_ids = torch.full((S, A, B - 1, store.top_k), -1, dtype=torch.long)
+    soft_probs = torch.zeros(S, A, B - 1, store.top_k)
+    for row, s in enumerate(seqs):
+        hidden[row, : len(s["ids"])] = torch.from_numpy(np.asarray(s["hidden"], dtype=np.float32))
+        if anchors is None:
+            cand = anchor_candidates(s)
+            chosen = rng.choice(cand, size=min(A, len(cand)), replace=False) if len(cand) else cand
+        else:
+            chosen = np.asarray(anchors[row][:A])
+        n = len(chosen)
+        if not n:
+            continue
+        full, ok, rows = block_targets(s, chosen, B)
+        anchor_pos[row, :n] = torch.from_numpy(chosen)
+        anchor_ok[row, :n] = True
+        tokens[row, :n, 0] = torch.from_numpy(s["ids"][chosen].astype(np.int64))
+        tokens[row, :n, 1:] = torch.from_numpy(full.astype(np.int64))
+        targets[row, :n] = vmap(full)
+        valid[row, :n] = torch.from_numpy(ok)
+        soft_ids[row, :n] = vmap(s["top_ids"][rows])
+        soft_probs[row, :n] = torch.from_numpy(np.asarray(s["top_probs"][rows], dtype=np.float32))
+    known[..., 0] = True
+    if reveal_prob:  # some blocks see part of their answer, as a later denoising pass or a lookup prefix would
+        reveal = torch.from_numpy(rng.random((S, A)) < reveal_prob)
+        prefix = torch.from_numpy(rng.random((S, A)) < 0.5)
+        cut = torch.from_numpy(rng.integers(1, B, size=(S, A)))
+        pos = torch.arange(1, B)
+        random_subset = torch.from_numpy(rng.random((S, A, B - 1))) < torch.from_numpy(rng.random((S, A, 1)))
+        chosen = torch.where(prefix[..., None], pos < cut[..., None], random_subset) & valid & reveal[..., None]
+        # Only valid positions are revealed: their tokens are the exact greedy chain the rest must continue.
+        known[..., 1:] = chosen
+    weights_mask = valid & anchor_ok[..., None] & ~known[..., 1:]
+    return dict(hidden=hidden, anchors=anchor_pos, tokens=tokens, known=known, targets=targets, valid=valid,
+                soft_ids=soft_ids, soft_probs=soft_probs, loss_mask=weights_mask, full_targets=tokens[..., 1:])
+
+
+def block_forward(model: BlockDiffusionModel, embed, head, batch) -> torch.Tensor:
+    """Draft-vocabulary logits [S, A, B-1, V'] for a batch from `block_batch`."""
+    hidden, anchors, tokens, known = batch["hidden"], batch["anchors"], batch["tokens"], batch["known"]
+    S, A, B = tokens.shape
+    width = hidden.shape[1]
+    context = model.context(hidden, torch.arange(width)[None].expand(S, width))
+    with torch.no_grad():
+        embeds = embed(tokens)
+    embeds = model.block_inputs(embeds, known)
+    block_positions = (anchors[..., None] + torch.arange(B)).reshape(S, A * B)
+    # Query (anchor j, position i) may see context positions < anchor j and all of block j.
+    sees_context = torch.arange(width)[None, None, :] < anchors[:, :, None]  # [S, A, width]
+    sees_context = sees_context[:, :, None, :].expand(S, A, B, width).reshape(S, A * B, width)
+    block_id = torch.arange(A).repeat_interleave(B)
+    sees_block = (block_id[:, None] == block_id[None, :])[None].expand(S, -1, -1)
+    mask = torch.cat([sees_context, sees_block], dim=-1)[:, None]
+    out = model(embeds.reshape(S, A * B, -1), block_positions, context, mask)
+    out = out.reshape(S, A, B, -1)[:, :, 1:]
+    return out @ head.T
+
+
+# -- AR baseline batches ------------------------------------------------------------------------------
+
+
+def ar_batch(store, seq_ids, vmap):
+    seqs = [store.sequence(i) for i in seq_ids]
+    width = max(len(s["ids"]) for s in seqs)
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    mask = torch.zeros(len(seqs), width, dtype=torch.long)
+    loss_mask = torch.zeros(len(seqs), width, dtype=torch.bool)
+    greedy = torch.full((len(seqs), width), -1, dtype=torch.long)
+    soft_ids = torch.full((len(seqs), width, store.top_k), -1, dtype=torch.long)
+    soft_probs = torch.zeros(len(seqs), width, store.top_k)
+    for row, s in enumerate(seqs):
+        n = len(s["ids"])
+        ids[row, :n] = torch.from_numpy(s["ids"].astype(np.int64))
+        mask[row, :n] = 1
+        loss_mask[row, max(0, s["prompt_len"] - 1) : n - 1] = True  # every next-token target in the answer is exact
+        greedy[row, :n] = torch.from_numpy(s["greedy"].astype(np.int64))
+        soft_ids[row, :n] = vmap(s["top_ids"])
+        soft_probs[row, :n] = torch.from_numpy(np.asarray(s["top_probs"], dtype=np.float32))
+    return dict(ids=ids, mask=mask, loss_mask=loss_mask, full_targets=greedy, targets=vmap(greedy.clamp(min=0)),
+                soft_ids=soft_ids, soft_probs=soft_probs)
+
+
+def ar_forward(model, head, batch) -> torch.Tensor:
+    out = model.model(input_ids=batch["ids"], attention_mask=batch["mask"]).last_hidden_state
+    return out @ head.T
+
+
+def make_ar_model(verifier, trainable_budget: int):
+    """A 1-layer Llama with the verifier's embedding/head (frozen) and ~`trainable_budget` trainable parameters."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    text = verifier.config.get_text_config()
+    h = text.hidden_size
+    heads, kv, hd = text.num_attention_heads, text.num_key_value_heads, text.head_dim
+    attention = h * heads * hd * 2 + h * kv * hd * 2
+    intermediate = max(1, round((trainable_budget - attention - 3 * h) / (3 * h)))
+    config = LlamaConfig(vocab_size=text.vocab_size, hidden_size=h, intermediate_size=intermediate, num_hidden_layers=1,
+                         num_attention_heads=heads, num_key_value_heads=kv, head_dim=hd, rms_norm_eps=text.rms_norm_eps,
+                         rope_parameters=dict(text.rope_parameters), max_position_embeddings=text.max_position_embeddings,
+                         tie_word_embeddings=True, bos_token_id=text.bos_token_id, eos_token_id=text.eos_token_id,
+                         pad_token_id=text.pad_token_id)
+    model = LlamaForCausalLM(config)
+    model.model.embed_tokens.weight.data.copy_(verifier.get_input_embeddings().weight.data)
+    model.model.embed_tokens.weight.requires_grad_(False)
+    model.generation_config = verifier.generation_config
+    return model
+
+
+def feature_statistics(store, train_ids, seed: int, rows: int = 20_000) -> tuple[torch.Tensor, torch.Tensor]:
+    """Robust per-dim centre and scale of the verifier features (median, half the 16-84 percentile range)."""
+    rng = np.random.default_rng(seed)
+    sample = np.concatenate([np.asarray(store.sequence(int(i))["hidden"], dtype=np.float32)
+                             for i in rng.choice(train_ids, size=min(len(train_ids), 64), replace=False)])
+    sample = sample[rng.choice(len(sample), size=min(rows, len(sample)), replace=False)]
+    low, mid, high = np.percentile(sample, [16, 50, 84], axis=0)
+    return torch.from_numpy(mid).float(), torch.from_numpy(np.maximum((high - low) / 2, 1e-3)).float()
+
+
+def trainable(model) -> list[torch.nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+# -- held-out estimate --------------------------------------------------------------------------------
+
+
+def held_out_anchors(store, held, per_seq: int, seed: int) -> list[tuple[int, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in held:
+        cand = anchor_candidates(store.sequence(i))
+        if len(cand):
+            out.append((i, np.sort(rng.choice(cand, size=min(per_seq, len(cand)), replace=False))))
+    return out
+
+
+@torch.no_grad()
+def estimate_tau(arch, model, embed, head, store, anchors, vmap, vocab, block_size) -> tuple[float, np.ndarray]:
+    """tau = 1 + mean accepted length of one greedy draft of block_size - 1 tokens per held-out anchor,
+    and the acceptance rate by block position (share of anchors whose first i drafts are all accepted)."""
+    model.eval()
+    lengths = []
+    for start in range(0, len(anchors), 4):
+        chunk = anchors[start : start + 4]
+        if arch == "block":
+            batch = block_batch(store, [i for i, _ in chunk], None, max(len(a) for _, a in chunk), block_size, vmap,
+                                anchors=[a for _, a in chunk])
+            predicted = vocab[block_forward(model, embed, head, batch).argmax(-1)]
+            ok = batch["valid"] & (batch["anchors"][..., None] > 0)
+            got = accepted_lengths(predicted, batch["full_targets"], ok)
+            lengths += [got[r, : len(a)] for r, (_, a) in enumerate(chunk)]
+        else:
+            batch = ar_batch(store, [i for i, _ in chunk], vmap)
+            hit = (vocab[ar_forward(model, head, batch).argmax(-1)] == batch["full_targets"]) & batch["loss_mask"]
+            for r, (_, a) in enumerate(chunk):
+                # A teacher-forced AR pass scores every anchor at once: drafts from anchor a are accepted
+                # while its predictions at a, a+1, ... match (it would have fed exactly those tokens).
+                rows = torch.from_numpy(a)[:, None] + torch.arange(block_size - 1)
+                inside = rows < hit.shape[1]
+                got = hit[r, rows.clamp(max=hit.shape[1] - 1)] & inside
+                lengths.append(got.long().cumprod(1).sum(1))
+    model.train()
+    lengths = torch.cat(lengths).numpy()
+    by_position = np.array([(lengths >= i).mean() for i in range(1, block_size)])
+    return 1 + float(lengths.mean()), by_position
+
+
+def lookup_tau(store, anchors, block_size) -> float:
+    """The same estimate for prompt lookup (n-gram 1..3 over prompt + answer so far), for reference."""
+    lengths = []
+    for i, chosen in anchors:
+        s = store.sequence(i)
+        ids = torch.from_numpy(s["ids"].astype(np.int64))
+        for a in chosen:
+            draft, _ = lookup_continuation(ids[: a + 1], 1, 3, block_size - 1)
+            full, ok, _ = block_targets(s, np.array([a]), block_size)
+            k = len(draft)
+            hit = (draft.numpy() == full[0, :k]) & ok[0, :k]
+            lengths.append(int(np.cumprod(hit).sum()))
+    return 1 + float(np.mean(lengths))
+
+
+# -- main ---------------------------------------------------------------------------------------------
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m drafters.train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--arch", choices=("block", "ar"), default="block", help="block-diffusion drafter or the 1-layer AR baseline")
+    p.add_argument("--work-dir", type=Path, default=DEFAULT_WORK_DIR, help="cache of generated data and features")
+    p.add_argument("--out", type=Path, default=None, help=f"where the trained drafter goes (block default: {DEFAULT_OUT})")
+    p.add_argument("--gen-shards", type=int, default=13, help="batches of 64 training prompts the verifier answers")
+    p.add_argument("--doc-tokens", type=int, default=30_000, help="tokens of local documents (stdlib, pydoc) to add")
+    p.add_argument("--steps", type=int, default=1100)
+    p.add_argument("--seqs-per-step", type=int, default=4)
+    p.add_argument("--anchors-per-seq", type=int, default=96)
+    p.add_argument("--block-size", type=int, default=8, help="positions per block, anchor included")
+    p.add_argument("--layers", type=int, default=1, help="drafter layers (block arch)")
+    p.add_argument("--draft-vocab", type=int, default=4096, help="size of the draft vocabulary (the head's rows)")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--gamma", type=float, default=2.0, help="position weight exp(-(i-1)/gamma)")
+    p.add_argument("--reveal-prob", type=float, default=0.2, help="share of blocks that see part of their answer")
+    p.add_argument("--save-every", type=int, default=25)
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    return p
+
+
+def main(argv=None) -> None:
+    args = parser().parse_args(argv)
+    if args.block_size < 2:
+        parser().error("--block-size must be >= 2")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from hybrid.default import load_verifier
+
+    verifier, tokenizer = load_verifier()
+    verifier.requires_grad_(False)
+    t_start = time.time()
+    # 1. generate
+    gen_dir = args.work_dir / "generated"
+    have = len(list(gen_dir.glob("gen-*.json"))) if gen_dir.exists() else 0
+    if have < args.gen_shards:
+        generate_shards(verifier, tokenizer, gen_dir, minutes=1e9, max_shards=args.gen_shards, seed=args.seed)
+    # 2. features (the folder name says what they depend on)
+    layers = tuple(BlockDiffusionConfig.for_verifier(verifier).target_layers)
+    feature_dir = args.work_dir / f"features-g{args.gen_shards}-d{args.doc_tokens}-l{'_'.join(map(str, layers))}"
+    if not (feature_dir / "meta.json").exists():
+        sequences = load_sequences(gen_dir, tokenizer, args.doc_tokens, max_shards=args.gen_shards)
+        build_features(verifier, sequences, feature_dir, layers)
+    # 3. train
+    out = args.out or (DEFAULT_OUT if args.arch == "block" else args.work_dir / "ar-drafter")
+    run_dir = args.work_dir / f"train-{args.arch}-{feature_dir.name}-s{args.seed}"
+    summary = train(args, verifier, FeatureStore(feature_dir), out, run_dir)
+    summary["command_wall_minutes_this_run"] = round((time.time() - t_start) / 60, 1)
+    print(f"done: {summary}; drafter in {out}")
+
+
+def train(args, verifier, store: FeatureStore, out: Path, run_dir: Path) -> dict:
+    """Stage 3: train (or resume) `args.arch` on `store`; export the drafter to `out`; return a summary."""
+    config = BlockDiffusionConfig.for_verifier(verifier, num_layers=args.layers, block_size=args.block_size,
+                                               draft_vocab_size=args.draft_vocab)
+    if tuple(store.layers) != tuple(config.target_layers):
+        raise ValueError(f"features hold layers {store.layers}, the drafter needs {config.target_layers}: rebuild them")
+    train_ids, held = split(store)
+    answer_tokens = sum(int(store.offsets[i + 1] - store.offsets[i] - store.prompt_lens[i]) for i in train_ids)
+    print(f"data: {len(train_ids)} training sequences ({answer_tokens} answer tokens), {len(held)} held out")
+    vocab, coverage = draft_vocabulary(store, train_ids, args.draft_vocab)
+    config.draft_vocab_size = len(vocab)
+    vmap = VocabMap(vocab, verifier.get_input_embeddings().weight.shape[0])
+    print(f"draft vocabulary: {len(vocab)} tokens cover {coverage:.1%} of the verifier's greedy answer tokens")
+    shift, scale = feature_statistics(store, train_ids, args.seed)
+    torch.manual_seed(args.seed)
+    block_model = BlockDiffusionModel(config)
+    block_model.draft_vocab.copy_(vocab)
+    block_model.mask_embedding.data.normal_(std=float(verifier.get_input_embeddings().weight.std()))
+    block_model.feature_shift.copy_(shift)
+    block_model.feature_scale.copy_(scale)
+    embed, head = frozen_verifier_parts(verifier, vocab)
+    if args.arch == "block":
+        model = block_model
+    else:
+        model = make_ar_model(verifier, sum(p.numel() for p in trainable(block_model)))
+    final_norm = getattr(verifier.base_model, "norm", None)
+    if final_norm is not None:  # start the output norm where the verifier's is, so its frozen head reads it
+        (model.norm if args.arch == "block" else model.model.norm).weight.data.copy_(final_norm.weight.data)
+    params = trainable(model)
+    print(f"{args.arch} drafter: {sum(p.numel() for p in params) / 1e6:.2f} M trainable parameters")
+    optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    ckpt_path, log_path = run_dir / "checkpoint.pt", run_dir / "log.jsonl"
+    step, elapsed = 0, 0.0
+    if ckpt_path.exists():
+        state = torch.load(ckpt_path, weights_only=False)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        step, elapsed = state["step"], state["elapsed"]
+        print(f"resumed at step {step} ({elapsed / 60:.1f} min of training so far)")
+    anchors = held_out_anchors(store, held, per_seq=8, seed=args.seed)
+    if not anchors:
+        raise ValueError("no held-out anchors (answers on the verifier's greedy chain): generate more data")
+    print(f"held-out: {sum(len(a) for _, a in anchors)} anchors; prompt lookup tau there "
+          f"{lookup_tau(store, anchors, args.block_size):.2f}")
+    weights = position_weights(args.block_size, args.gamma)
+    record = {}
+    model.train()
+    bar = tqdm(total=args.steps, initial=step, desc=f"train {args.arch}", dynamic_ncols=True)
+    t0 = time.time() - elapsed
+    while step < args.steps:
+        rng = np.random.default_rng([args.seed, step])  # batches depend on (seed, step) only: resuming is exact
+        seqs = rng.choice(train_ids, size=min(args.seqs_per_step, len(train_ids)), replace=False)
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, args.steps, args.lr)
+        if args.arch == "block":
+            batch = block_batch(store, seqs, rng, args.anchors_per_seq, args.block_size, vmap, args.reveal_prob)
+            logits = block_forward(model, embed, head, batch)
+            w = batch["loss_mask"] * weights
+        else:
+            batch = ar_batch(store, seqs, vmap)
+            logits = ar_forward(model, head, batch)
+            w = batch["loss_mask"].float()
+        k = store.top_k
+        loss = distill_loss(logits.reshape(-1, logits.shape[-1]), batch["targets"].reshape(-1),
+                            batch["soft_ids"].reshape(-1, k), batch["soft_probs"].reshape(-1, k), w.reshape(-1).float())
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        step += 1
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss.item():.3f}", **({"tau": record["tau"]} if record else {}))
+        evaluated = step % args.eval_every == 0 or step == args.steps
+        if evaluated:
+            tau, by_pos = estimate_tau(args.arch, model, embed, head, store, anchors, vmap, vocab, args.block_size)
+            record = {"tau": round(tau, 3), "accept_by_position": [round(float(x), 3) for x in by_pos[:8]]}
+            export(args.arch, model, out)
+            tqdm.write(f"step {step}: held-out tau {tau:.2f}, accept by position {record['accept_by_position']}")
+        if step % args.save_every == 0 or evaluated:
+            elapsed = time.time() - t0
+            tmp = ckpt_path.with_suffix(".tmp")
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "elapsed": elapsed}, tmp)
+            tmp.rename(ckpt_path)
+            with log_path.open("a") as f:
+                f.write(json.dumps({"step": step, "loss": round(loss.item(), 4), "elapsed_s": round(elapsed),
+                                    **(record if evaluated else {})}) + "\n")
+    bar.close()
+    summary = {"arch": args.arch, "steps": step, "train_minutes": round((time.time() - t0) / 60, 1),
+               "answer_tokens": answer_tokens, "sequences": len(train_ids), "device": str(verifier.device),
+               "threads": torch.get_num_threads(), **record}
+    if out.exists():
+        (out / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def export(arch: str, model, out: Path) -> None:
+    if arch == "block":
+        save_model(model, out)
+    else:
+        model.save_pretrained(out)
+
+
+if __name__ == "__main__":
+    main()

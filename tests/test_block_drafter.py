@@ -1,0 +1,177 @@
+"""The block-diffusion drafter: what it may see, that training and drafting compute the same thing,
+persistence and its checks, and that its training pipeline runs and resumes exactly."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from transformers import LogitsProcessorList
+
+from drafters import BlockDiffusionDrafter, DraftContext
+from drafters.block_diffusion import CONFIG_NAME, WEIGHTS_NAME, frozen_verifier_parts, load_model
+from drafters.distill import build_features
+from drafters.train import block_batch, block_forward, parser, train
+from drafters.training import VocabMap, accepted_lengths, block_targets
+from hybrid.testing import check_greedy_lossless
+from strategies import random_block_drafter, tiny_model
+from verifiers.verifier import Verifier
+
+VOCAB, BLOCK = 64, 6
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """A tiny verifier, a random drafter for it, and features of three of its greedy answers (as in training)."""
+    verifier = tiny_model("llama", VOCAB, 2, seed=1)
+    drafter = random_block_drafter(verifier, seed=0, block_size=BLOCK)
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, VOCAB, (3, 4), generator=gen)
+    answers = verifier.generate(prompts, max_new_tokens=26, do_sample=False)
+    sequences = [{"ids": row.tolist(), "prompt_len": 4, "source": "generated"} for row in answers]
+    root = tmp_path_factory.mktemp("features")
+    store = build_features(verifier, sequences, root, drafter.hidden_layers, top_k=4, log=lambda *a: None)
+    return verifier, drafter, store
+
+
+def drafting_logits(verifier, drafter, ids: torch.Tensor, anchor: int, block=None, known=None) -> torch.Tensor:
+    """What the drafter computes at draft time for `anchor`: the verifier has run ids[:anchor] only."""
+    v = Verifier(verifier, hidden_layers=drafter.hidden_layers)
+    v.prefill(ids[None, :anchor], None, capacity=64)
+    ctx = DraftContext(ids[None, : anchor + 1], 0, False, LogitsProcessorList(), None, v)
+    drafter.reset(ctx)
+    if block is None:
+        block = torch.zeros(BLOCK, dtype=torch.long)
+        block[0] = ids[anchor]
+        known = torch.arange(BLOCK) == 0
+    return drafter.block_logits(ctx, block, known)
+
+
+def training_logits(drafter, verifier, store, anchors, rng=None, reveal_prob=0.0):
+    vmap = VocabMap(drafter.model.draft_vocab, VOCAB)
+    batch = block_batch(store, [0], rng, len(anchors), BLOCK, vmap, reveal_prob, anchors=[np.array(anchors)])
+    embed, head = frozen_verifier_parts(verifier, drafter.model.draft_vocab)
+    with torch.no_grad():
+        return block_forward(drafter.model, embed, head, batch)[0], batch
+
+
+def test_training_computes_what_drafting_computes(world):
+    """Many anchors trained at once under the block mask give, per anchor, exactly the logits the drafter
+    produces at draft time, when the verifier has states only up to the token before the anchor."""
+    verifier, drafter, store = world
+    ids = torch.tensor(store.sequence(0)["ids"], dtype=torch.long)
+    anchors = [5, 12, 20, 27]
+    trained, _ = training_logits(drafter, verifier, store, anchors)
+    for j, a in enumerate(anchors):
+        torch.testing.assert_close(drafting_logits(verifier, drafter, ids, a), trained[j], atol=1e-3, rtol=1e-3)
+
+
+def test_a_block_never_sees_later_context_or_other_blocks(world):
+    verifier, drafter, store = world
+    vmap = VocabMap(drafter.model.draft_vocab, VOCAB)
+    batch = block_batch(store, [0], None, 3, BLOCK, vmap, anchors=[np.array([6, 14, 22])])
+    embed, head = frozen_verifier_parts(verifier, drafter.model.draft_vocab)
+    with torch.no_grad():
+        before = block_forward(drafter.model, embed, head, batch)
+        batch["hidden"][0, 14:] += 5.0  # context at and after the second anchor
+        batch["tokens"][0, 2] = (batch["tokens"][0, 2] + 1) % VOCAB  # the third block's tokens
+        after = block_forward(drafter.model, embed, head, batch)
+    torch.testing.assert_close(before[0, 0], after[0, 0])  # anchor 6: sees rows < 6 and its own block
+    torch.testing.assert_close(before[0, 1], after[0, 1])  # anchor 14: rows >= 14 and block 3 are invisible to it
+    assert not torch.allclose(before[0, 2], after[0, 2])  # anchor 22: its context and its tokens changed
+
+
+def test_context_cache_follows_a_rollback(world):
+    """After drafting for one continuation, the drafter's cached context for another (sharing a prefix) equals a
+    fresh drafter's: rows computed from tokens that changed are recomputed, never reused."""
+    verifier, drafter, store = world
+    ids = torch.tensor(store.sequence(1)["ids"], dtype=torch.long)
+    other = ids.clone()
+    other[15:] = (other[15:] + 7) % VOCAB
+    drafting_logits(verifier, drafter, ids, 25)  # fills the cache for ids[:25]
+    v = Verifier(verifier, hidden_layers=drafter.hidden_layers)
+    v.prefill(other[None, :22], None, capacity=64)
+    ctx = DraftContext(other[None, :23], 0, False, LogitsProcessorList(), None, v)
+    block = torch.zeros(BLOCK, dtype=torch.long)
+    block[0] = other[22]
+    known = torch.arange(BLOCK) == 0
+    reused = drafter.block_logits(ctx, block, known)  # no reset: the cache must notice the change itself
+    torch.testing.assert_close(reused, drafting_logits(verifier, drafter, other, 22))
+
+
+def test_known_positions_condition_the_block_as_in_training(world):
+    """A block with some positions given (a later denoising pass, a lookup prefix) computes the same in both paths."""
+    verifier, drafter, store = world
+    ids = torch.tensor(store.sequence(0)["ids"], dtype=torch.long)
+    _, batch = training_logits(drafter, verifier, store, [9])
+    batch["known"][0, 0, 1:3] = True
+    batch["tokens"][0, 0, 1:3] = torch.tensor([7, 11])
+    embed, head = frozen_verifier_parts(verifier, drafter.model.draft_vocab)
+    with torch.no_grad():
+        trained = block_forward(drafter.model, embed, head, batch)[0]
+    block, known = batch["tokens"][0, 0], batch["known"][0, 0]
+    torch.testing.assert_close(drafting_logits(verifier, drafter, ids, 9, block, known), trained[0], atol=1e-3, rtol=1e-3)
+
+
+def test_block_targets_are_exact_only_along_the_greedy_chain():
+    ids = np.array([0, 1, 2, 3, 9, 5, 6])
+    greedy = np.array([1, 2, 3, 4, 5, 6, 7])  # the text leaves the chain at position 4 (9 != 4)
+    full, valid, _ = block_targets({"ids": ids, "greedy": greedy}, np.array([1]), 5)
+    assert full[0].tolist() == [2, 3, 4, 5]
+    assert valid[0].tolist() == [True, True, True, False]  # position 4's target follows the off-chain 9
+    assert accepted_lengths(torch.tensor([[2, 3, 0, 5]]), torch.tensor(full), torch.tensor(valid)).tolist() == [2]
+
+
+def test_save_load_round_trip_and_checks(world, tmp_path):
+    verifier, drafter, _ = world
+    drafter.save_pretrained(tmp_path / "ckpt")
+    loaded = BlockDiffusionDrafter.from_pretrained(tmp_path / "ckpt", verifier)
+    for (name, a), (_, b) in zip(drafter.model.state_dict().items(), loaded.model.state_dict().items()):
+        assert torch.equal(a, b), name
+    assert loaded.model.config == drafter.model.config
+    # Another verifier (same shapes, other weights): refused, naming what differs.
+    with pytest.raises(ValueError, match="embedding_sha256"):
+        BlockDiffusionDrafter.from_pretrained(tmp_path / "ckpt", tiny_model("llama", VOCAB, 2, seed=2))
+    with pytest.raises(ValueError, match="vocab_size 64 != 80"):
+        BlockDiffusionDrafter.from_pretrained(tmp_path / "ckpt", tiny_model("llama", 80, 2, seed=1))
+    with pytest.raises(ValueError, match="block_size 9 outside 2..6"):
+        BlockDiffusionDrafter.from_pretrained(tmp_path / "ckpt", verifier, block_size=9)
+    broken = tmp_path / "broken"
+    shutil.copytree(tmp_path / "ckpt", broken)
+    (broken / WEIGHTS_NAME).write_bytes(b"not safetensors")
+    with pytest.raises(ValueError, match="corrupt"):
+        load_model(broken)
+    (broken / CONFIG_NAME).unlink()
+    with pytest.raises(FileNotFoundError, match=CONFIG_NAME):
+        load_model(broken)
+
+
+@pytest.mark.parametrize("steps,lookup", [(1, 0), (3, 0), (2, 2)])
+def test_engine_with_block_drafter_matches_generate(steps, lookup):
+    verifier = tiny_model("qwen2", VOCAB, 2, seed=7)
+    drafter = random_block_drafter(verifier, seed=1, draft_vocab_size=40, block_size=8, steps=steps, threshold=0.2,
+                                   lookup_ngram=lookup)
+    report = check_greedy_lossless(verifier, torch.tensor([[5, 9, 5, 9, 3]]), drafter, max_new_tokens=40)
+    assert sum(report.stats.drafted) > 0
+
+
+@pytest.mark.parametrize("arch", ["block", "ar"])
+def test_training_runs_and_resumes_exactly(world, tmp_path, arch):
+    """A few steps on a tiny verifier; 2 steps + resume to 4 gives the very weights of 4 steps in one go."""
+    verifier, _, store = world
+    args = lambda steps: parser().parse_args([  # noqa: E731
+        "--arch", arch, "--steps", str(steps), "--seqs-per-step", "2", "--anchors-per-seq", "4", "--block-size",
+        str(BLOCK), "--draft-vocab", "48", "--save-every", "1", "--eval-every", "2",
+    ])  # fmt: skip
+    straight = train(args(4), verifier, store, tmp_path / "a-out", tmp_path / "a-run")
+    train(args(2), verifier, store, tmp_path / "b-out", tmp_path / "b-run")
+    resumed = train(args(4), verifier, store, tmp_path / "b-out", tmp_path / "b-run")
+    assert straight["steps"] == resumed["steps"] == 4 and np.isfinite(straight["tau"])
+    a = torch.load(tmp_path / "a-run" / "checkpoint.pt", weights_only=False)["model"]
+    b = torch.load(tmp_path / "b-run" / "checkpoint.pt", weights_only=False)["model"]
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], msg=name)
+    if arch == "block":  # the exported drafter loads for its verifier
+        BlockDiffusionDrafter.from_pretrained(tmp_path / "a-out", verifier)
