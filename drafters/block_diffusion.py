@@ -335,7 +335,12 @@ class BlockDiffusionDrafter(Drafter):
         """Tokens for the first `max_tokens` draft positions: given ones as they are, the rest chosen from logits."""
         vocab = self.model.draft_vocab
         k = min(max_tokens, self.block_size - 1)
-        plain_greedy = not ctx.do_sample and not ctx.processors
+        if not ctx.do_sample and not ctx.processors:  # outside the draft vocabulary the logits are -inf: top-1 over it is the whole answer
+            probs_v = torch.softmax(logits[:k], dim=-1)
+            conf_v, best = probs_v.max(dim=-1)
+            tokens_v = torch.where(known[1 : k + 1], block[1 : k + 1], vocab[best].to(block.dtype))
+            conf_v = torch.where(known[1 : k + 1].cpu(), given_confidence[:k], conf_v.cpu())
+            return Draft(tokens_v.to(ctx.input_ids.device), None, conf_v.to(ctx.input_ids.device))
         tokens, probs, confidence = [], [], []
         prefix = ctx.input_ids
         for i in range(k):
@@ -346,18 +351,13 @@ class BlockDiffusionDrafter(Drafter):
                 q = torch.zeros_like(full)
                 q[token] = 1.0
                 conf = float(given_confidence[i])
-            elif plain_greedy:
-                q = torch.softmax(full, -1)
-                token = int(q.argmax())
-                conf = float(q[token])
             else:
                 token, q = ctx.choose(full, prefix)
                 conf = float(q[token])
             tokens.append(token)
             probs.append(q)
             confidence.append(conf)
-            if not plain_greedy:
-                prefix = torch.cat([prefix, prefix.new_tensor([[token]])], dim=1)
+            prefix = torch.cat([prefix, prefix.new_tensor([[token]])], dim=1)
         device = ctx.input_ids.device
         return Draft(
             torch.tensor(tokens, dtype=torch.long, device=device),
