@@ -20,14 +20,11 @@ import numpy as np
 import torch
 
 from drafters.corpus import chat_prompts, source_documents
+from hybrid.prompts import encode_prompt
 
 
-def _chat(tokenizer, user: str, assistant: str | None = None) -> list[int]:
-    messages = [{"role": "user", "content": user}]
-    if assistant is None:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
-    prompt = _chat(tokenizer, user)
-    return prompt + tokenizer(assistant, add_special_tokens=False)["input_ids"]
+def _user_turn(tokenizer, user: str) -> list[int]:
+    return encode_prompt(tokenizer, user)[0].tolist()
 
 
 def generate_shards(model, tokenizer, out_dir: Path, minutes: float, batch_size: int = 64, max_new_tokens: int = 256,
@@ -47,7 +44,7 @@ def generate_shards(model, tokenizer, out_dir: Path, minutes: float, batch_size:
             continue
         if time.time() - start > minutes * 60:
             break
-        encoded = [_chat(tokenizer, p) for p in batch]
+        encoded = [_user_turn(tokenizer, p) for p in batch]
         width = max(map(len, encoded))
         ids = torch.tensor([[pad] * (width - len(e)) + e for e in encoded])
         mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in encoded])
@@ -78,8 +75,8 @@ def load_sequences(gen_dir: Path, tokenizer, doc_tokens: int, max_len: int = 640
     for user, text in source_documents():
         if budget <= 0:
             break
-        prompt = _chat(tokenizer, user)
-        ids = _chat(tokenizer, user, text)[:max_len]
+        prompt = _user_turn(tokenizer, user)  # then the document as the assistant's answer
+        ids = (prompt + tokenizer(text, add_special_tokens=False)["input_ids"])[:max_len]
         sequences.append({"ids": ids, "prompt_len": len(prompt), "source": "document"})
         budget -= len(ids) - len(prompt)
     return sequences
