@@ -110,6 +110,14 @@ class Drafter:
         raise NotImplementedError
 
 
+def common_prefix_length(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Length of the longest common prefix of token ids a and b (1-D): how much of a drafter's cache,
+    built for `a`, still holds for `b` after the verifier rolled back and went on differently."""
+    n = min(a.shape[0], b.shape[0])
+    diff = (a[:n].cpu() != b[:n].cpu()).nonzero()
+    return int(diff[0]) if diff.numel() else n
+
+
 class DraftError(ValueError):
     """A drafter broke its contract (wrong shape, token outside the vocabulary, bad probabilities)."""
 

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from drafters.base import Draft, DraftContext, Drafter
+from drafters.base import Draft, DraftContext, Drafter, common_prefix_length
 from drafters.prompt_lookup import lookup_continuation
 
 CONFIG_NAME = "drafter_config.json"
@@ -271,20 +271,17 @@ class BlockDiffusionDrafter(Drafter):
         if states.shape[0] != n:
             raise ValueError(f"verifier has states for {states.shape[0]} tokens, expected {n} (committed minus the anchor)")
         # Rows stay valid while the tokens they were computed from are unchanged (a rollback changes them).
-        same = min(self._ids.shape[0], n)
-        diff = (self._ids[:same] != committed[:same].cpu()).nonzero()
-        keep = int(diff[0]) if diff.numel() else same
+        keep = common_prefix_length(self._ids, committed[:n])
         if keep < n:
             positions = torch.arange(keep, n, device=states.device)[None]
             new = self.model.context(states[None, keep:n], positions)
-            capacity = self._keys[0].shape[2] if self._keys else 0
-            if n > capacity:
-                grow = lambda t: torch.cat([t, t.new_zeros(*t.shape[:2], max(n, 2 * capacity) - capacity, t.shape[3])], 2)  # noqa: E731
-                if not self._keys:
-                    self._keys = [k.new_zeros(*k.shape[:2], max(n, 256), k.shape[3]) for k, _ in new]
-                    self._values = [v.new_zeros(*v.shape[:2], max(n, 256), v.shape[3]) for _, v in new]
-                else:
-                    self._keys, self._values = [grow(k) for k in self._keys], [grow(v) for v in self._values]
+            if not self._keys:  # shapes and dtype come from the first rows computed
+                self._keys, self._values = [k[:, :, :0] for k, _ in new], [v[:, :, :0] for _, v in new]
+            capacity = self._keys[0].shape[2]
+            if n > capacity:  # grow geometrically: rows are written in place, never re-concatenated per step
+                size = max(n, 2 * capacity, 256)
+                pad = lambda t: torch.cat([t, t.new_zeros(*t.shape[:2], size - capacity, t.shape[3])], dim=2)  # noqa: E731
+                self._keys, self._values = [pad(k) for k in self._keys], [pad(v) for v in self._values]
             for layer, (k, v) in enumerate(new):
                 self._keys[layer][:, :, keep:n] = k
                 self._values[layer][:, :, keep:n] = v

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from drafters.base import Draft, DraftContext, Drafter
+from drafters.base import Draft, DraftContext, Drafter, common_prefix_length
 from verifiers.verifier import Verifier
 
 
@@ -20,10 +20,10 @@ class ModelDrafter(Drafter):
         self.vocab_size = self.lm.vocab_size
         self.tokenizer = tokenizer
         self.max_draft_len = max_draft_len
-        self._fed: list[int] = []  # tokens whose KV is in the drafter's cache
+        self._fed = torch.empty(0, dtype=torch.long)  # tokens whose KV is in the drafter's cache
 
     def reset(self, ctx: DraftContext) -> None:
-        self._fed = []
+        self._fed = torch.empty(0, dtype=torch.long)
 
     @torch.inference_mode()
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
@@ -39,24 +39,20 @@ class ModelDrafter(Drafter):
             if i + 1 == max_tokens:
                 break
             prefix = torch.cat([prefix, prefix.new_tensor([[token]])], dim=1)
-            logits = self.lm.verify(committed.new_tensor([[token]]))[-1]
-            self._fed.append(token)
+            fed = committed.new_tensor([token])
+            logits = self.lm.verify(fed[None])[-1]
+            self._fed = torch.cat([self._fed, fed])
         device = ctx.input_ids.device
         draft_probs = torch.stack(probs).to(device) if ctx.do_sample and probs else None
         return Draft(torch.tensor(tokens, dtype=torch.long, device=device), draft_probs, torch.tensor(confidence, device=device))
 
     def _catch_up(self, committed: torch.Tensor) -> torch.Tensor:
         """Bring the cache to `committed` (reusing the common prefix); return logits after its last token."""
-        ids = committed.tolist()
-        common = 0
-        for a, b in zip(self._fed, ids[:-1]):  # keep at least the last token to feed
-            if a != b:
-                break
-            common += 1
+        common = common_prefix_length(self._fed, committed[:-1])  # keep at least the last token to feed
         if common == 0:
             logits = self.lm.prefill(committed[None], None, capacity=0)
         else:
             self.lm.rollback(len(self._fed) - common)
             logits = self.lm.verify(committed[None, common:])[-1]
-        self._fed = ids
+        self._fed = committed.clone()
         return logits

@@ -57,11 +57,10 @@ def block_batch(store, seq_ids, rng, anchors_per_seq, block_size, vmap, reveal_p
     width = max(len(s["ids"]) for s in seqs)
     hidden = torch.zeros(S, width, store.hidden.shape[1])
     anchor_pos = torch.zeros(S, A, dtype=torch.long)
-    anchor_ok = torch.zeros(S, A, dtype=torch.bool)
     tokens = torch.zeros(S, A, B, dtype=torch.long)
     known = torch.zeros(S, A, B, dtype=torch.bool)
     targets = torch.full((S, A, B - 1), -1, dtype=torch.long)
-    valid = torch.zeros(S, A, B - 1, dtype=torch.bool)
+    valid = torch.zeros(S, A, B - 1, dtype=torch.bool)  # stays False for anchor slots a short sequence leaves empty
     soft_ids = torch.full((S, A, B - 1, store.top_k), -1, dtype=torch.long)
     soft_probs = torch.zeros(S, A, B - 1, store.top_k)
     for row, s in enumerate(seqs):
@@ -76,7 +75,6 @@ def block_batch(store, seq_ids, rng, anchors_per_seq, block_size, vmap, reveal_p
             continue
         full, ok, rows = block_targets(s, chosen, B)
         anchor_pos[row, :n] = torch.from_numpy(chosen)
-        anchor_ok[row, :n] = True
         tokens[row, :n, 0] = torch.from_numpy(s["ids"][chosen].astype(np.int64))
         tokens[row, :n, 1:] = torch.from_numpy(full.astype(np.int64))
         targets[row, :n] = vmap(full)
@@ -93,7 +91,7 @@ def block_batch(store, seq_ids, rng, anchors_per_seq, block_size, vmap, reveal_p
         chosen = torch.where(prefix[..., None], pos < cut[..., None], random_subset) & valid & reveal[..., None]
         # Only valid positions are revealed: their tokens are the exact greedy chain the rest must continue.
         known[..., 1:] = chosen
-    weights_mask = valid & anchor_ok[..., None] & ~known[..., 1:]
+    weights_mask = valid & ~known[..., 1:]
     return dict(hidden=hidden, anchors=anchor_pos, tokens=tokens, known=known, targets=targets, valid=valid,
                 soft_ids=soft_ids, soft_probs=soft_probs, loss_mask=weights_mask, full_targets=tokens[..., 1:])
 
@@ -208,8 +206,7 @@ def estimate_tau(arch, model, embed, head, store, anchors, vmap, vocab, block_si
             batch = block_batch(store, [i for i, _ in chunk], None, max(len(a) for _, a in chunk), block_size, vmap,
                                 anchors=[a for _, a in chunk])
             predicted = vocab[block_forward(model, embed, head, batch).argmax(-1)]
-            ok = batch["valid"] & (batch["anchors"][..., None] > 0)
-            got = accepted_lengths(predicted, batch["full_targets"], ok)
+            got = accepted_lengths(predicted, batch["full_targets"], batch["valid"])
             lengths += [got[r, : len(a)] for r, (_, a) in enumerate(chunk)]
         else:
             batch = ar_batch(store, [i for i, _ in chunk], vmap)
