@@ -46,6 +46,12 @@ class BlockDiffusionConfig:
     rope_theta: float = 100000.0
     rms_norm_eps: float = 1e-5
     draft_vocab_size: int = 8192
+    # Add the fused verifier feature of the token before the anchor to every block input (EAGLE's input): the
+    # state that predicted the anchor is then in every position without an attention hop. Off in old checkpoints.
+    feature_input: bool = False
+    # Add each context token's own (normalised) embedding to its fused feature: the drafter then reads which token
+    # sits where as directly as an AR drafter does, which copying from the context needs. Off in old checkpoints.
+    context_tokens: bool = False
     verifier: dict = field(default_factory=dict)  # verifier_fingerprint() of the verifier it was trained for
 
     @classmethod
@@ -151,9 +157,13 @@ class BlockDiffusionModel(nn.Module):
         c = self.config = config
         self.fuse = nn.Linear(len(c.target_layers) * c.hidden_size, c.hidden_size, bias=False)
         self.fuse_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        if c.context_tokens:
+            self.token_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         # One mask embedding per block position (plus the anchor's embedding, see block_inputs): with identical
         # inputs, masked positions could tell apart only through RoPE, which one layer does poorly.
         self.mask_embedding = nn.Parameter(torch.zeros(c.block_size, c.hidden_size))
+        if c.feature_input:
+            self.feature_gate = nn.Parameter(torch.ones(c.hidden_size))  # scales the fused feature to the embeddings'
         self.layers = nn.ModuleList(DraftLayer(c) for _ in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.register_buffer("draft_vocab", torch.arange(c.draft_vocab_size), persistent=True)
@@ -166,19 +176,31 @@ class BlockDiffusionModel(nn.Module):
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, std=0.02)
 
-    def block_inputs(self, token_embeds: torch.Tensor, known: torch.Tensor) -> torch.Tensor:
+    def block_inputs(self, token_embeds: torch.Tensor, known: torch.Tensor, last_feature: torch.Tensor | None = None
+                     ) -> torch.Tensor:
         """Inputs [..., B, hidden] of a block from its token embeddings [..., B, hidden] (anchor first) and `known`
         [..., B]. Masked position i gets mask embedding i plus the anchor's embedding: every position then
         knows the anchor without attending to it, which an AR layer gets for free and a 1-layer block model
-        otherwise learns slowly."""
+        otherwise learns slowly. With `config.feature_input`, `last_feature` [..., hidden] (the fused feature of
+        the token before the anchor) is added to every position."""
         size = token_embeds.shape[-2]
         masked = self.mask_embedding[:size].to(token_embeds.dtype) + token_embeds[..., :1, :]
-        return torch.where(known[..., None], token_embeds, masked)
+        inputs = torch.where(known[..., None], token_embeds, masked)
+        if self.config.feature_input:
+            inputs = inputs + (self.feature_gate * last_feature)[..., None, :].to(inputs.dtype)
+        return inputs
 
-    def context(self, hidden_states: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer (keys, values) [S, kv_heads, n, d] of verifier states [S, n, len(target_layers) * hidden]."""
+    def features(self, hidden_states: torch.Tensor, token_embeds: torch.Tensor) -> torch.Tensor:
+        """Fused features [..., hidden] of verifier states [..., len(target_layers) * hidden] and the embeddings
+        [..., hidden] of the tokens they were computed at (used with `config.context_tokens`)."""
         x = (hidden_states.to(self.fuse.weight.dtype) - self.feature_shift) / self.feature_scale
-        features = self.fuse_norm(self.fuse(x.clamp(-FEATURE_CLIP, FEATURE_CLIP)))
+        fused = self.fuse_norm(self.fuse(x.clamp(-FEATURE_CLIP, FEATURE_CLIP)))
+        if self.config.context_tokens:
+            fused = fused + self.token_norm(token_embeds.to(fused.dtype))
+        return fused
+
+    def context(self, features: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer (keys, values) [S, kv_heads, n, d] of fused features [S, n, hidden] (see `features`)."""
         cos, sin = rotary(positions, self.config.head_dim, self.config.rope_theta)
         return [layer.keys_values(features, cos, sin) for layer in self.layers]
 
@@ -274,7 +296,7 @@ class BlockDiffusionDrafter(Drafter):
         keep = common_prefix_length(self._ids, committed[:n])
         if keep < n:
             positions = torch.arange(keep, n, device=states.device)[None]
-            new = self.model.context(states[None, keep:n], positions)
+            new = self.model.context(self.model.features(states[None, keep:n], self.embed(committed[None, keep:n])), positions)
             if not self._keys:  # shapes and dtype come from the first rows computed
                 self._keys, self._values = [k[:, :, :0] for k, _ in new], [v[:, :, :0] for _, v in new]
             capacity = self._keys[0].shape[2]
@@ -293,7 +315,12 @@ class BlockDiffusionDrafter(Drafter):
         """Draft-vocabulary logits [B - 1, V'] for block positions 1.. given block tokens [B] where `known` [B]."""
         committed = ctx.input_ids[0, ctx.num_padding :]
         n = self._sync_context(ctx, committed)
-        embeds = self.model.block_inputs(self.embed(block), known)
+        last = None
+        if self.model.config.feature_input:  # the fused feature of the token before the anchor (zeros if none)
+            states = ctx.hidden_states()[0, ctx.num_padding :]
+            last = (self.model.features(states[n - 1], self.embed(committed[n - 1])) if n
+                    else self.model.feature_gate.new_zeros(self.model.feature_gate.shape))
+        embeds = self.model.block_inputs(self.embed(block), known, last)
         positions = torch.arange(n, n + block.shape[0], device=block.device)[None]
         context = [(k[:, :, :n], v[:, :, :n]) for k, v in zip(self._keys, self._values)]
         hidden = self.model(embeds[None].to(self.model.norm.weight.dtype), positions, context)
@@ -371,12 +398,14 @@ def check_fingerprint(expected: dict, actual: dict) -> None:
                          "verifier, or train one with `python -m drafters.train`")
 
 
-def save_model(model: BlockDiffusionModel, path: str | Path) -> None:
+def save_model(model: BlockDiffusionModel, path: str | Path, dtype: torch.dtype | None = None) -> None:
+    """Config + weights; floating-point tensors cast to `dtype` if given (loading casts them back to the model's)."""
     from safetensors.torch import save_file
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    state = {name: t.detach().cpu().contiguous() for name, t in model.state_dict().items()}
+    state = {name: (t.to(dtype) if dtype and t.is_floating_point() else t).detach().cpu().contiguous()
+             for name, t in model.state_dict().items()}
     save_file(state, str(path / WEIGHTS_NAME))
     (path / CONFIG_NAME).write_text(json.dumps(asdict(model.config), indent=2) + "\n")
 

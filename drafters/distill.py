@@ -1,7 +1,8 @@
 """Self-distillation data: what THIS verifier says, cached on disk stage by stage.
 
-Stage `generate`: the verifier answers training prompts (drafters.corpus) greedily, in batches,
-    one shard file per batch, so a rerun resumes at the first missing shard.
+Stage `generate`: the verifier answers training prompts greedily, in batches, one shard file per
+    batch, so a rerun resumes at the first missing shard. Prompts: drafters.corpus, optionally with
+    user turns sampled from the verifier itself (`synthetic_user_turns`).
 Stage `features`: one teacher-forced verifier forward per sequence (generated answers and local
     source documents) records, per position p, what a drafter trains on:
       - the fused hidden states of `layers` (float16): the drafter's context keys/values;
@@ -19,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from drafters.corpus import chat_prompts, source_documents
+from drafters.corpus import source_documents
 from hybrid.prompts import encode_prompt
 
 
@@ -27,12 +28,49 @@ def _user_turn(tokenizer, user: str) -> list[int]:
     return encode_prompt(tokenizer, user)[0].tolist()
 
 
-def generate_shards(model, tokenizer, out_dir: Path, minutes: float, batch_size: int = 64, max_new_tokens: int = 256,
-                    seed: int = 0, max_shards: int | None = None, log=print) -> None:
-    """Greedy answers to the training prompts, `batch_size` per shard: the first `max_shards` shards, or as
-    many as `minutes` of work allow."""
+def synthetic_user_turns(model, tokenizer, count: int, out_file: Path, batch_size: int = 256, max_new_tokens: int = 64,
+                         seed: int = 0, log=print) -> list[str]:
+    """`count` user turns sampled from the verifier itself (temperature 1 after its chat template's user header),
+    cached in `out_file`: more varied prompts than templates give, in the verifier's own idea of a request."""
+    if out_file.exists():
+        return json.loads(out_file.read_text())[:count]
+    marker = "\x00"
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False)
+    header = tokenizer(rendered[: rendered.index(marker)], add_special_tokens=False, return_tensors="pt")["input_ids"]
+    stop = tokenizer.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tokenizer.get_vocab() else tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    torch.manual_seed(seed)
+    turns, seen, start = [], set(), time.time()
+    while len(turns) < count:
+        ids = header.expand(min(batch_size, count), -1).to(model.device)
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                 do_sample=True, temperature=1.0, top_p=0.95, eos_token_id=stop, pad_token_id=pad)
+        for row in out[:, header.shape[1] :].tolist():
+            if stop not in row:  # cut off mid-request: not a whole user turn
+                continue
+            text = tokenizer.decode(row[: row.index(stop)], skip_special_tokens=True).strip()
+            if len(text) >= 12 and text not in seen:
+                seen.add(text)
+                turns.append(text)
+        log(f"synthetic prompts: {len(turns)}/{count}, {time.time() - start:.0f}s")
+    turns = turns[:count]
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    out_file.write_text(json.dumps(turns))
+    return turns
+
+
+def interleave(a: list, b: list) -> list:
+    """a and b merged evenly, so any prefix of the result holds both in proportion (a cut-short run stays mixed)."""
+    keyed = [((i + 0.5) / len(a), 0, x) for i, x in enumerate(a)] + [((i + 0.5) / len(b), 1, x) for i, x in enumerate(b)]
+    return [x for *_, x in sorted(keyed, key=lambda t: t[:2])]
+
+
+def generate_shards(model, tokenizer, prompts: list[str], out_dir: Path, minutes: float, batch_size: int = 64,
+                    max_new_tokens: int = 256, max_shards: int | None = None, log=print) -> None:
+    """Greedy answers to `prompts`, `batch_size` per shard: the first `max_shards` shards, or as many as
+    `minutes` of work allow."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    prompts = chat_prompts(seed)
     batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)][:max_shards]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos = model.generation_config.eos_token_id
@@ -50,8 +88,8 @@ def generate_shards(model, tokenizer, out_dir: Path, minutes: float, batch_size:
         mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in encoded])
         t0 = time.time()
         with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
-                                 pad_token_id=pad)
+            out = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
+                                 max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
         rows = []
         for prompt, new in zip(encoded, out[:, width:].tolist()):
             end = next((i + 1 for i, t in enumerate(new) if t in eos), len(new))
@@ -102,7 +140,11 @@ class FeatureStore:
     def __len__(self) -> int:
         return len(self.offsets) - 1
 
-    def sequence(self, i: int) -> dict[str, np.ndarray]:
+    def move_hidden(self, device: torch.device) -> None:
+        """Hold the hidden states as one tensor on `device` (an accelerator holds them all; batches gather there)."""
+        self.hidden = torch.from_numpy(np.ascontiguousarray(self.hidden)).to(device)
+
+    def sequence(self, i: int) -> dict:
         a, b = self.offsets[i], self.offsets[i + 1]
         return {"ids": self.ids[a:b], "greedy": self.greedy[a:b], "top_ids": self.top_ids[a:b],
                 "top_probs": self.top_probs[a:b], "hidden": self.hidden[a:b], "prompt_len": int(self.prompt_lens[i])}
@@ -135,16 +177,17 @@ def build_features(model, sequences: list[dict], root: Path, layers: tuple[int, 
         for row, k in enumerate(batch):
             x[row, : lengths[k]] = torch.tensor(sequences[k]["ids"])
         with torch.inference_mode():
-            out = model(input_ids=x, output_hidden_states=True)
-        probs = torch.softmax(out.logits.float(), dim=-1)
-        top = probs.topk(top_k, dim=-1)
-        states = torch.cat([out.hidden_states[layer] for layer in layers], dim=-1).half()
+            out = model(input_ids=x.to(model.device), output_hidden_states=True)
+            top = torch.softmax(out.logits.float(), dim=-1).topk(top_k, dim=-1)
+            top_values, top_indices = top.values.half().cpu(), top.indices.cpu()
+            states = torch.cat([out.hidden_states[layer] for layer in layers], dim=-1).half().cpu()
+        del out
         for row, k in enumerate(batch):
             a, m = offsets[k], lengths[k]
             ids[a : a + m] = x[row, :m].numpy()
-            greedy[a : a + m] = top.indices[row, :m, 0].numpy()
-            top_ids[a : a + m] = top.indices[row, :m].numpy()
-            top_probs[a : a + m] = top.values[row, :m].half().numpy()
+            greedy[a : a + m] = top_indices[row, :m, 0].numpy()
+            top_ids[a : a + m] = top_indices[row, :m].numpy()
+            top_probs[a : a + m] = top_values[row, :m].numpy()
             hidden[a : a + m] = states[row, :m].numpy()
         done += sum(lengths[k] for k in batch)
         i = j

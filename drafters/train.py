@@ -1,13 +1,16 @@
 """Train a drafter for a verifier by self-distillation, fully offline, resumable at every stage.
 
-    python -m drafters.train                # the shipped block-diffusion drafter for the default verifier
-    python -m drafters.train --arch ar --steps 1600 --threads 1   # the 1-layer AR baseline, same data and budget
+    python -m drafters.train                       # the CPU recipe: block-diffusion drafter, ~55 min on 2 cores
+    python -m drafters.train --arch ar             # the 1-layer AR baseline, same data and trainable budget
+    bash experiments/gpu_train.sh OUT              # the GPU recipe of the shipped checkpoint (these options, scaled)
 
-The defaults are the recipe of the shipped checkpoint (drafters/checkpoints/smollm2-135m-block/training.json
-records what its run cost).
+The shipped checkpoint (drafters/checkpoints/smollm2-135m-block) comes from the GPU recipe; its
+training.json records the command and what the run cost. Drafters go to --work-dir/{block,ar}-drafter
+unless --out says otherwise; copy a block drafter into drafters/checkpoints/ to ship it.
 
 Stages, each cached under --work-dir (a rerun skips what is done; delete a folder to redo it):
-  1. generate  the verifier answers --gen-shards x 64 training prompts greedily (drafters.corpus);
+  1. generate  the verifier answers --gen-shards x --gen-batch training prompts greedily (drafters.corpus,
+               plus --synthetic-prompts user turns sampled from the verifier);
   2. features  one teacher-forced verifier pass over those answers and --doc-tokens of local documents
                records the fused hidden states, greedy targets and top-k soft labels (drafters.distill);
   3. train     --steps optimizer steps; a checkpoint every --save-every steps (resumed automatically),
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -26,15 +30,16 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from drafters.ar_baseline import make_ar_model, save_ar_model
 from drafters.block_diffusion import BlockDiffusionConfig, BlockDiffusionModel, frozen_verifier_parts, save_model
-from drafters.distill import FeatureStore, build_features, generate_shards, load_sequences
+from drafters.corpus import chat_prompts
+from drafters.distill import (FeatureStore, build_features, generate_shards, interleave, load_sequences,
+                              synthetic_user_turns)
 from drafters.prompt_lookup import lookup_continuation
-from hybrid.default import DRAFTER_DIR
 from drafters.training import (VocabMap, accepted_lengths, anchor_candidates, block_targets, distill_loss,
                                draft_vocabulary, lr_at, position_weights)
 
 DEFAULT_WORK_DIR = Path.home() / ".cache" / "hybrid" / "drafter"
-DEFAULT_OUT = DRAFTER_DIR
 
 
 # -- data split ---------------------------------------------------------------------------------------
@@ -55,7 +60,9 @@ def block_batch(store, seq_ids, rng, anchors_per_seq, block_size, vmap, reveal_p
     seqs = [store.sequence(i) for i in seq_ids]
     S, A, B = len(seqs), anchors_per_seq, block_size
     width = max(len(s["ids"]) for s in seqs)
-    hidden = torch.zeros(S, width, store.hidden.shape[1])
+    on_device = isinstance(store.hidden, torch.Tensor)  # FeatureStore.move_hidden: gather where the states are
+    hidden = torch.zeros(S, width, store.hidden.shape[1], device=store.hidden.device if on_device else "cpu")
+    ids = torch.zeros(S, width, dtype=torch.long)
     anchor_pos = torch.zeros(S, A, dtype=torch.long)
     tokens = torch.zeros(S, A, B, dtype=torch.long)
     known = torch.zeros(S, A, B, dtype=torch.bool)
@@ -64,7 +71,9 @@ def block_batch(store, seq_ids, rng, anchors_per_seq, block_size, vmap, reveal_p
     soft_ids = torch.full((S, A, B - 1, store.top_k), -1, dtype=torch.long)
     soft_probs = torch.zeros(S, A, B - 1, store.top_k)
     for row, s in enumerate(seqs):
-        hidden[row, : len(s["ids"])] = torch.from_numpy(np.asarray(s["hidden"], dtype=np.float32))
+        h = s["hidden"]
+        ids[row, : len(s["ids"])] = torch.from_numpy(s["ids"].astype(np.int64))
+        hidden[row, : len(s["ids"])] = h.float() if on_device else torch.from_numpy(np.asarray(h, dtype=np.float32))
         if anchors is None:
             cand = anchor_candidates(s)
             chosen = rng.choice(cand, size=min(A, len(cand)), replace=False) if len(cand) else cand
@@ -92,7 +101,7 @@ def block_batch(store, seq_ids, rng, anchors_per_seq, block_size, vmap, reveal_p
         # Only valid positions are revealed: their tokens are the exact greedy chain the rest must continue.
         known[..., 1:] = chosen
     weights_mask = valid & ~known[..., 1:]
-    return dict(hidden=hidden, anchors=anchor_pos, tokens=tokens, known=known, targets=targets, valid=valid,
+    return dict(hidden=hidden, ids=ids, anchors=anchor_pos, tokens=tokens, known=known, targets=targets, valid=valid,
                 soft_ids=soft_ids, soft_probs=soft_probs, loss_mask=weights_mask, full_targets=tokens[..., 1:])
 
 
@@ -100,16 +109,18 @@ def block_forward(model: BlockDiffusionModel, embed, head, batch) -> torch.Tenso
     """Draft-vocabulary logits [S, A, B-1, V'] for a batch from `block_batch`."""
     hidden, anchors, tokens, known = batch["hidden"], batch["anchors"], batch["tokens"], batch["known"]
     S, A, B = tokens.shape
-    width = hidden.shape[1]
-    context = model.context(hidden, torch.arange(width)[None].expand(S, width))
+    width, device = hidden.shape[1], tokens.device
     with torch.no_grad():
-        embeds = embed(tokens)
-    embeds = model.block_inputs(embeds, known)
-    block_positions = (anchors[..., None] + torch.arange(B)).reshape(S, A * B)
+        embeds, context_embeds = embed(tokens), embed(batch["ids"])
+    features = model.features(hidden, context_embeds)
+    context = model.context(features, torch.arange(width, device=device)[None].expand(S, width))
+    last = features.gather(1, (anchors - 1).clamp(min=0)[..., None].expand(S, A, features.shape[-1]))  # [S, A, hidden]
+    embeds = model.block_inputs(embeds, known, last)
+    block_positions = (anchors[..., None] + torch.arange(B, device=device)).reshape(S, A * B)
     # Query (anchor j, position i) may see context positions < anchor j and all of block j.
-    sees_context = torch.arange(width)[None, None, :] < anchors[:, :, None]  # [S, A, width]
+    sees_context = torch.arange(width, device=device)[None, None, :] < anchors[:, :, None]  # [S, A, width]
     sees_context = sees_context[:, :, None, :].expand(S, A, B, width).reshape(S, A * B, width)
-    block_id = torch.arange(A).repeat_interleave(B)
+    block_id = torch.arange(A, device=device).repeat_interleave(B)
     sees_block = (block_id[:, None] == block_id[None, :])[None].expand(S, -1, -1)
     mask = torch.cat([sees_context, sees_block], dim=-1)[:, None]
     out = model(embeds.reshape(S, A * B, -1), block_positions, context, mask)
@@ -146,27 +157,6 @@ def ar_forward(model, head, batch) -> torch.Tensor:
     return out @ head.T
 
 
-def make_ar_model(verifier, trainable_budget: int):
-    """A 1-layer Llama with the verifier's embedding/head (frozen) and ~`trainable_budget` trainable parameters."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    text = verifier.config.get_text_config()
-    h = text.hidden_size
-    heads, kv, hd = text.num_attention_heads, text.num_key_value_heads, text.head_dim
-    attention = h * heads * hd * 2 + h * kv * hd * 2
-    intermediate = max(1, round((trainable_budget - attention - 3 * h) / (3 * h)))
-    config = LlamaConfig(vocab_size=text.vocab_size, hidden_size=h, intermediate_size=intermediate, num_hidden_layers=1,
-                         num_attention_heads=heads, num_key_value_heads=kv, head_dim=hd, rms_norm_eps=text.rms_norm_eps,
-                         rope_parameters=dict(text.rope_parameters), max_position_embeddings=text.max_position_embeddings,
-                         tie_word_embeddings=True, bos_token_id=text.bos_token_id, eos_token_id=text.eos_token_id,
-                         pad_token_id=text.pad_token_id)
-    model = LlamaForCausalLM(config)
-    model.model.embed_tokens.weight.data.copy_(verifier.get_input_embeddings().weight.data)
-    model.model.embed_tokens.weight.requires_grad_(False)
-    model.generation_config = verifier.generation_config
-    return model
-
-
 def feature_statistics(store, train_ids, seed: int, rows: int = 20_000) -> tuple[torch.Tensor, torch.Tensor]:
     """Robust per-dim centre and scale of the verifier features (median, half the 16-84 percentile range)."""
     rng = np.random.default_rng(seed)
@@ -175,6 +165,10 @@ def feature_statistics(store, train_ids, seed: int, rows: int = 20_000) -> tuple
     sample = sample[rng.choice(len(sample), size=min(rows, len(sample)), replace=False)]
     low, mid, high = np.percentile(sample, [16, 50, 84], axis=0)
     return torch.from_numpy(mid).float(), torch.from_numpy(np.maximum((high - low) / 2, 1e-3)).float()
+
+
+def to_device(batch: dict, device) -> dict:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
 def trainable(model) -> list[torch.nn.Parameter]:
@@ -195,31 +189,34 @@ def held_out_anchors(store, held, per_seq: int, seed: int) -> list[tuple[int, np
 
 
 @torch.no_grad()
-def estimate_tau(arch, model, embed, head, store, anchors, vmap, vocab, block_size) -> tuple[float, np.ndarray]:
+def estimate_tau(arch, model, embed, head, store, anchors, vmap, vocab, block_size, device="cpu",
+                 chunk_size: int = 4) -> tuple[float, np.ndarray]:
     """tau = 1 + mean accepted length of one greedy draft of block_size - 1 tokens per held-out anchor,
     and the acceptance rate by block position (share of anchors whose first i drafts are all accepted)."""
     model.eval()
     lengths = []
-    for start in range(0, len(anchors), 4):
-        chunk = anchors[start : start + 4]
+    vocab = vocab.to(device)
+    for start in range(0, len(anchors), chunk_size):
+        chunk = anchors[start : start + chunk_size]
         if arch == "block":
             batch = block_batch(store, [i for i, _ in chunk], None, max(len(a) for _, a in chunk), block_size, vmap,
                                 anchors=[a for _, a in chunk])
+            batch = to_device(batch, device)
             predicted = vocab[block_forward(model, embed, head, batch).argmax(-1)]
             got = accepted_lengths(predicted, batch["full_targets"], batch["valid"])
             lengths += [got[r, : len(a)] for r, (_, a) in enumerate(chunk)]
         else:
-            batch = ar_batch(store, [i for i, _ in chunk], vmap)
+            batch = to_device(ar_batch(store, [i for i, _ in chunk], vmap), device)
             hit = (vocab[ar_forward(model, head, batch).argmax(-1)] == batch["full_targets"]) & batch["loss_mask"]
             for r, (_, a) in enumerate(chunk):
                 # A teacher-forced AR pass scores every anchor at once: drafts from anchor a are accepted
                 # while its predictions at a, a+1, ... match (it would have fed exactly those tokens).
-                rows = torch.from_numpy(a)[:, None] + torch.arange(block_size - 1)
+                rows = (torch.from_numpy(a)[:, None] + torch.arange(block_size - 1)).to(device)
                 inside = rows < hit.shape[1]
                 got = hit[r, rows.clamp(max=hit.shape[1] - 1)] & inside
                 lengths.append(got.long().cumprod(1).sum(1))
     model.train()
-    lengths = torch.cat(lengths).numpy()
+    lengths = torch.cat(lengths).cpu().numpy()
     by_position = np.array([(lengths >= i).mean() for i in range(1, block_size)])
     return 1 + float(lengths.mean()), by_position
 
@@ -247,23 +244,49 @@ def parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arch", choices=("block", "ar"), default="block", help="block-diffusion drafter or the 1-layer AR baseline")
     p.add_argument("--work-dir", type=Path, default=DEFAULT_WORK_DIR, help="cache of generated data and features")
-    p.add_argument("--out", type=Path, default=None, help=f"where the trained drafter goes (block default: {DEFAULT_OUT})")
-    p.add_argument("--gen-shards", type=int, default=13, help="batches of 64 training prompts the verifier answers")
+    p.add_argument("--out", type=Path, default=None, help="where the trained drafter goes (default: WORK_DIR/ARCH-drafter)")
+    p.add_argument("--device", default="cpu", help="torch device for the verifier and the drafter (cpu, cuda, ...)")
+    p.add_argument("--gen-shards", type=int, default=13, help="batches of --gen-batch training prompts the verifier answers "
+                                                              "(-1: all of them)")
+    p.add_argument("--gen-batch", type=int, default=64, help="prompts per generation batch (and shard)")
+    p.add_argument("--gen-minutes", type=float, default=None, help="stop generating after this long (no limit by default)")
+    p.add_argument("--synthetic-prompts", type=int, default=0, help="user turns sampled from the verifier, added to the "
+                                                                    "templated prompts")
     p.add_argument("--doc-tokens", type=int, default=30_000, help="tokens of local documents (stdlib, pydoc) to add")
+    p.add_argument("--feature-batch-tokens", type=int, default=4096, help="tokens per verifier pass in the features stage")
     p.add_argument("--steps", type=int, default=1100)
+    p.add_argument("--minutes", type=float, default=None, help="set --steps from the step time measured over the first "
+                                                               "10 steps so training takes about this long")
     p.add_argument("--seqs-per-step", type=int, default=4)
     p.add_argument("--anchors-per-seq", type=int, default=96)
     p.add_argument("--block-size", type=int, default=8, help="positions per block, anchor included")
     p.add_argument("--layers", type=int, default=1, help="drafter layers (block arch)")
+    p.add_argument("--feature-input", action=argparse.BooleanOptionalAction, default=True,
+                   help="add the fused verifier feature before the anchor to every block input (block arch)")
+    p.add_argument("--context-tokens", action=argparse.BooleanOptionalAction, default=True,
+                   help="add each context token's embedding to its fused verifier feature (block arch)")
     p.add_argument("--draft-vocab", type=int, default=4096, help="size of the draft vocabulary (the head's rows)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--gamma", type=float, default=2.0, help="position weight exp(-(i-1)/gamma)")
     p.add_argument("--reveal-prob", type=float, default=0.2, help="share of blocks that see part of their answer")
     p.add_argument("--save-every", type=int, default=25)
     p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--eval-seqs", type=int, default=256, help="held-out answers the tau estimate uses (8 anchors each)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     return p
+
+
+def training_prompts(args, verifier, tokenizer) -> tuple[list[str], str]:
+    """The prompts the verifier answers, and the name of the folder their answers go to."""
+    prompts = chat_prompts(args.seed)
+    if not args.synthetic_prompts:
+        # The name the CPU recipe has always used, so its cached answers stay valid.
+        return prompts, "generated" if args.gen_batch == 64 else f"generated-b{args.gen_batch}"
+    synthetic = synthetic_user_turns(verifier, tokenizer, args.synthetic_prompts,
+                                     args.work_dir / f"synthetic-prompts-{args.synthetic_prompts}-s{args.seed}.json",
+                                     batch_size=args.gen_batch, seed=args.seed)
+    return interleave(prompts, synthetic), f"generated-b{args.gen_batch}-syn{args.synthetic_prompts}"
 
 
 def main(argv=None) -> None:
@@ -274,32 +297,46 @@ def main(argv=None) -> None:
         torch.set_num_threads(args.threads)
     from hybrid.default import load_verifier
 
-    verifier, tokenizer = load_verifier()
+    verifier, tokenizer = load_verifier(args.device)
     verifier.requires_grad_(False)
     t_start = time.time()
     # 1. generate
-    gen_dir = args.work_dir / "generated"
-    have = len(list(gen_dir.glob("gen-*.json"))) if gen_dir.exists() else 0
-    if have < args.gen_shards:
-        generate_shards(verifier, tokenizer, gen_dir, minutes=1e9, max_shards=args.gen_shards, seed=args.seed)
+    prompts, gen_name = training_prompts(args, verifier, tokenizer)
+    gen_dir = args.work_dir / gen_name
+    max_shards = None if args.gen_shards < 0 else args.gen_shards
+    generate_shards(verifier, tokenizer, prompts, gen_dir, minutes=float("inf") if args.gen_minutes is None else args.gen_minutes,
+                    batch_size=args.gen_batch, max_shards=max_shards)
+    shards = len(sorted(gen_dir.glob("gen-*.json"))[:max_shards])
     # 2. features (the folder name says what they depend on)
     layers = tuple(BlockDiffusionConfig.for_verifier(verifier).target_layers)
-    feature_dir = args.work_dir / f"features-g{args.gen_shards}-d{args.doc_tokens}-l{'_'.join(map(str, layers))}"
+    data = f"g{shards}" if gen_name == "generated" else f"{gen_name.removeprefix('generated-')}-g{shards}"
+    feature_dir = args.work_dir / f"features-{data}-d{args.doc_tokens}-l{'_'.join(map(str, layers))}"
     if not (feature_dir / "meta.json").exists():
-        sequences = load_sequences(gen_dir, tokenizer, args.doc_tokens, max_shards=args.gen_shards)
-        build_features(verifier, sequences, feature_dir, layers)
+        sequences = load_sequences(gen_dir, tokenizer, args.doc_tokens, max_shards=shards)
+        build_features(verifier, sequences, feature_dir, layers, batch_tokens=args.feature_batch_tokens)
     # 3. train
-    out = args.out or (DEFAULT_OUT if args.arch == "block" else args.work_dir / "ar-drafter")
-    run_dir = args.work_dir / f"train-{args.arch}-{feature_dir.name}-s{args.seed}"
+    out = args.out or args.work_dir / f"{args.arch}-drafter"
+    run_dir = args.work_dir / f"train-{args.arch}-{feature_dir.name}-{recipe_tag(args)}"
     summary = train(args, verifier, FeatureStore(feature_dir), out, run_dir)
     summary["command_wall_minutes_this_run"] = round((time.time() - t_start) / 60, 1)
     print(f"done: {summary}; drafter in {out}")
 
 
+def recipe_tag(args) -> str:
+    """A short hash of what shapes the training run, so a resume never continues a different recipe."""
+    import hashlib
+
+    keys = ("arch", "seqs_per_step", "anchors_per_seq", "block_size", "layers", "feature_input", "context_tokens", "draft_vocab", "lr",
+            "gamma", "reveal_prob", "seed")
+    return f"s{args.seed}-" + hashlib.sha256(json.dumps([getattr(args, k) for k in keys]).encode()).hexdigest()[:8]
+
+
 def train(args, verifier, store: FeatureStore, out: Path, run_dir: Path) -> dict:
     """Stage 3: train (or resume) `args.arch` on `store`; export the drafter to `out`; return a summary."""
+    device = verifier.device
     config = BlockDiffusionConfig.for_verifier(verifier, num_layers=args.layers, block_size=args.block_size,
-                                               draft_vocab_size=args.draft_vocab)
+                                               draft_vocab_size=args.draft_vocab, feature_input=args.feature_input,
+                                               context_tokens=args.context_tokens)
     if tuple(store.layers) != tuple(config.target_layers):
         raise ValueError(f"features hold layers {store.layers}, the drafter needs {config.target_layers}: rebuild them")
     train_ids, held = split(store)
@@ -310,10 +347,15 @@ def train(args, verifier, store: FeatureStore, out: Path, run_dir: Path) -> dict
     vmap = VocabMap(vocab, verifier.get_input_embeddings().weight.shape[0])
     print(f"draft vocabulary: {len(vocab)} tokens cover {coverage:.1%} of the verifier's greedy answer tokens")
     shift, scale = feature_statistics(store, train_ids, args.seed)
+    if device.type != "cpu" and args.arch == "block":
+        store.move_hidden(device)
     torch.manual_seed(args.seed)
     block_model = BlockDiffusionModel(config)
     block_model.draft_vocab.copy_(vocab)
-    block_model.mask_embedding.data.normal_(std=float(verifier.get_input_embeddings().weight.std()))
+    embedding_std = float(verifier.get_input_embeddings().weight.detach().std())
+    block_model.mask_embedding.data.normal_(std=embedding_std)
+    if config.feature_input:  # fused features have unit RMS: start them at the embeddings' scale
+        block_model.feature_gate.data.fill_(embedding_std)
     block_model.feature_shift.copy_(shift)
     block_model.feature_scale.copy_(scale)
     embed, head = frozen_verifier_parts(verifier, vocab)
@@ -321,6 +363,7 @@ def train(args, verifier, store: FeatureStore, out: Path, run_dir: Path) -> dict
         model = block_model
     else:
         model = make_ar_model(verifier, sum(p.numel() for p in trainable(block_model)))
+    model.to(device)
     final_norm = getattr(verifier.base_model, "norm", None)
     if final_norm is not None:  # start the output norm where the verifier's is, so its frozen head reads it
         (model.norm if args.arch == "block" else model.model.norm).weight.data.copy_(final_norm.weight.data)
@@ -329,34 +372,38 @@ def train(args, verifier, store: FeatureStore, out: Path, run_dir: Path) -> dict
     optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     run_dir.mkdir(parents=True, exist_ok=True)
     ckpt_path, log_path = run_dir / "checkpoint.pt", run_dir / "log.jsonl"
-    step, elapsed = 0, 0.0
+    step, elapsed, planned = 0, 0.0, args.steps
     if ckpt_path.exists():
-        state = torch.load(ckpt_path, weights_only=False)
+        state = torch.load(ckpt_path, weights_only=False, map_location=device)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         step, elapsed = state["step"], state["elapsed"]
-        print(f"resumed at step {step} ({elapsed / 60:.1f} min of training so far)")
-    anchors = held_out_anchors(store, held, per_seq=8, seed=args.seed)
+        if args.minutes is not None:  # the step count --minutes fixed when the run began
+            planned = state.get("planned_steps", args.steps)
+        print(f"resumed at step {step} of {planned} ({elapsed / 60:.1f} min of training so far)")
+    sizing = args.minutes is not None and step < 10  # --minutes: the step count is fixed once, after step 10
+    anchors = held_out_anchors(store, held[: args.eval_seqs], per_seq=8, seed=args.seed)
     if not anchors:
         raise ValueError("no held-out anchors (answers on the verifier's greedy chain): generate more data")
     print(f"held-out: {sum(len(a) for _, a in anchors)} anchors; prompt lookup tau there "
           f"{lookup_tau(store, anchors, args.block_size):.2f}")
-    weights = position_weights(args.block_size, args.gamma)
+    weights = position_weights(args.block_size, args.gamma).to(device)
     record = {}
     model.train()
-    bar = tqdm(total=args.steps, initial=step, desc=f"train {args.arch}", dynamic_ncols=True)
+    interactive = sys.stderr.isatty()
+    bar = tqdm(total=planned, initial=step, desc=f"train {args.arch}", dynamic_ncols=True, mininterval=0.1 if interactive else 30)
     t0 = time.time() - elapsed
-    while step < args.steps:
+    while step < planned:
         rng = np.random.default_rng([args.seed, step])  # batches depend on (seed, step) only: resuming is exact
         seqs = rng.choice(train_ids, size=min(args.seqs_per_step, len(train_ids)), replace=False)
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, args.steps, args.lr)
+            group["lr"] = lr_at(step, planned, args.lr)
         if args.arch == "block":
-            batch = block_batch(store, seqs, rng, args.anchors_per_seq, args.block_size, vmap, args.reveal_prob)
+            batch = to_device(block_batch(store, seqs, rng, args.anchors_per_seq, args.block_size, vmap, args.reveal_prob), device)
             logits = block_forward(model, embed, head, batch)
             w = batch["loss_mask"] * weights
         else:
-            batch = ar_batch(store, seqs, vmap)
+            batch = to_device(ar_batch(store, seqs, vmap), device)
             logits = ar_forward(model, head, batch)
             w = batch["loss_mask"].float()
         k = store.top_k
@@ -367,36 +414,48 @@ def train(args, verifier, store: FeatureStore, out: Path, run_dir: Path) -> dict
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         step += 1
+        if sizing and step == 10:
+            # Warm-up lasts 50 steps, so the first 10 followed the same schedule whatever the total: the run equals
+            # a `--steps planned` run.
+            per_step = (time.time() - t0) / step
+            planned = max(step + 1, int(args.minutes * 60 / per_step))
+            bar.total = planned
+            tqdm.write(f"--minutes {args.minutes}: {per_step:.3f} s/step, so {planned} steps")
         bar.update(1)
         bar.set_postfix(loss=f"{loss.item():.3f}", **({"tau": record["tau"]} if record else {}))
-        evaluated = step % args.eval_every == 0 or step == args.steps
+        evaluated = step % args.eval_every == 0 or step == planned
         if evaluated:
-            tau, by_pos = estimate_tau(args.arch, model, embed, head, store, anchors, vmap, vocab, args.block_size)
-            record = {"tau": round(tau, 3), "accept_by_position": [round(float(x), 3) for x in by_pos[:8]]}
+            tau, by_pos = estimate_tau(args.arch, model, embed, head, store, anchors, vmap, vocab, args.block_size,
+                                       device, chunk_size=max(4, args.seqs_per_step))
+            record = {"tau": round(tau, 3), "accept_by_position": [round(float(x), 3) for x in by_pos]}
             export(args.arch, model, out)
-            tqdm.write(f"step {step}: held-out tau {tau:.2f}, accept by position {record['accept_by_position']}")
+            tqdm.write(f"step {step}: loss {loss.item():.3f}, held-out tau {tau:.2f}, accept by position "
+                       f"{record['accept_by_position'][:8]}")
         if step % args.save_every == 0 or evaluated:
             elapsed = time.time() - t0
             tmp = ckpt_path.with_suffix(".tmp")
-            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "elapsed": elapsed}, tmp)
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+                        "elapsed": elapsed, "planned_steps": planned}, tmp)
             tmp.rename(ckpt_path)
             with log_path.open("a") as f:
                 f.write(json.dumps({"step": step, "loss": round(loss.item(), 4), "elapsed_s": round(elapsed),
                                     **(record if evaluated else {})}) + "\n")
     bar.close()
     summary = {"arch": args.arch, "steps": step, "train_minutes": round((time.time() - t0) / 60, 1),
-               "answer_tokens": answer_tokens, "sequences": len(train_ids), "device": str(verifier.device),
-               "threads": torch.get_num_threads(), **record}
+               "answer_tokens": answer_tokens, "sequences": len(train_ids), "device": str(device),
+               "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+               "threads": torch.get_num_threads(), "command": "python -m drafters.train " + " ".join(sys.argv[1:]), **record}
     if out.exists():
         (out / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
 
 def export(arch: str, model, out: Path) -> None:
+    """The drafter's weights, stored in bfloat16 (half the size; loading casts them to the model's dtype)."""
     if arch == "block":
-        save_model(model, out)
+        save_model(model, out, dtype=torch.bfloat16)
     else:
-        model.save_pretrained(out)
+        save_ar_model(model, out, dtype=torch.bfloat16)
 
 
 if __name__ == "__main__":

@@ -376,8 +376,10 @@ def append_record(path: Path, record: dict) -> None:
         os.close(fd)
 
 
-def read_records(path: Path) -> list[dict]:
-    """Records of runs.jsonl, first one per key; unreadable lines (an interrupted write) are skipped."""
+def read_records(path: Path, key=None) -> list[dict]:
+    """Records of a JSONL file, first one per `key` (default: run_key); unreadable lines (an interrupted
+    write) are skipped."""
+    key_of = key or run_key
     if not path.exists():
         return []
     records, seen = [], set()
@@ -386,12 +388,12 @@ def read_records(path: Path) -> list[dict]:
             continue
         try:
             record = json.loads(line)
-            key = run_key(record)
+            record_key = key_of(record)
         except (json.JSONDecodeError, KeyError, TypeError):
             print(f"{path}:{number}: unreadable line skipped (an interrupted write?); that run is redone", file=sys.stderr)
             continue
-        if key not in seen:
-            seen.add(key)
+        if record_key not in seen:
+            seen.add(record_key)
             records.append(record)
     return records
 

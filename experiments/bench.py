@@ -1,27 +1,39 @@
 """Head-to-head tokens/s on the same prompts, same process, methods interleaved to cancel machine noise.
 
-    python -m experiments.bench --dataset dev --num-prompts 8 --max-new-tokens 128 --repeats 3
+    python -m experiments.bench --dataset mt-bench --num-prompts 8 --max-new-tokens 128 --repeats 3
+    accelerate launch --multi_gpu --num_processes 2 -m experiments.bench ...   # prompts split across 2 processes
 
 Methods: plain `model.generate`; HF assisted generation with prompt lookup; hybrid with no drafter,
 with prompt lookup, with the shipped block-diffusion drafter (alone and with n-gram lookup), with the
-1-layer AR baseline drafter (`python -m drafters.train --arch ar`), and with an oracle drafter that proposes the verifier's own greedy continuation
-at zero cost (the ceiling of speculative decoding for this verifier on this machine). Greedy only:
-every hybrid output is checked against plain `generate`'s.
+1-layer AR baseline drafter (`python -m drafters.train --arch ar`), and with an oracle drafter that
+proposes the verifier's own greedy continuation at zero cost (the ceiling of speculative decoding for
+this verifier on this machine: every method is also reported as a fraction of it). Greedy only: every
+output is checked against plain `generate`'s.
+
+Every (repeat, prompt, method) measurement is appended to OUT/bench.jsonl as it finishes; rerunning the
+same command resumes, skipping what is there. A method's tokens/s in one repeat is its tokens over its
+seconds summed over the prompts; the table shows the median over repeats and the spread (min-max).
+Sharded runs (as in experiments.acceptance) split the prompts across processes and gather on the main
+one; each process times its own prompts, so tokens/s is comparable only between runs with the same
+number of processes on the same machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 import hybrid
 from drafters import OracleDrafter, PromptLookupDrafter
-from experiments import trained_drafters
+from experiments.acceptance import append_record, drop_partial_line, load_model, read_records
 from experiments.datasets import load_prompts
 from hybrid.prompts import encode_prompt
 from schedulers import FixedScheduler
@@ -29,87 +41,195 @@ from schedulers import FixedScheduler
 METHODS = ("plain", "hf-lookup", "hybrid-none", "hybrid-lookup", "hybrid-block", "hybrid-block-lookup", "hybrid-ar",
            "oracle")
 DEFAULT_METHODS = ("plain", "hf-lookup", "hybrid-none", "hybrid-lookup", "hybrid-block-lookup", "oracle")
+TRAINED = ("hybrid-block", "hybrid-block-lookup", "hybrid-ar")  # drafters trained for the default verifier
+RECORDS_FILE = "bench.jsonl"
 
 
-def run_method(method, model, input_ids, reference, max_new_tokens):
-    """(new tokens, seconds, tau or None, output) for one method on one prompt."""
-    settings = {"max_new_tokens": max_new_tokens, "do_sample": False}
+def make_drafter(method: str, model, reference: torch.Tensor):
+    from experiments import trained_drafters  # loads the shipped drafter's config: only when a trained one is asked for
+
+    drafted = trained_drafters.MAX_DRAFTED if method in TRAINED else 0
+    return {
+        "hybrid-none": lambda: None,
+        "hybrid-lookup": PromptLookupDrafter,
+        "hybrid-block": lambda: trained_drafters.block(model, drafted),
+        "hybrid-block-lookup": lambda: trained_drafters.block(model, drafted, lookup=True),
+        "hybrid-ar": lambda: trained_drafters.ar(model, drafted),
+        "oracle": lambda: OracleDrafter(reference),
+    }[method]()
+
+
+def run_method(method: str, model, input_ids, reference, max_new_tokens: int) -> tuple[torch.Tensor, float, float | None]:
+    """(output, seconds, tau or None) for one method on one prompt."""
+    settings = {"max_new_tokens": max_new_tokens, "do_sample": False, "attention_mask": torch.ones_like(input_ids)}
+    drafter = None if method in ("plain", "hf-lookup") else make_drafter(method, model, reference)
     start = time.perf_counter()
     if method == "plain":
         out, tau = model.generate(input_ids, **settings), None
     elif method == "hf-lookup":
         out, tau = model.generate(input_ids, prompt_lookup_num_tokens=10, **settings), None
     else:
-        drafter = {
-            "hybrid-none": lambda: None,
-            "hybrid-lookup": PromptLookupDrafter,
-            "hybrid-block": lambda: trained_drafters.block(model, 15),
-            "hybrid-block-lookup": lambda: trained_drafters.block(model, 15, lookup=True),
-            "hybrid-ar": lambda: trained_drafters.ar(model, 6),
-            "oracle": lambda: OracleDrafter(reference),
-        }[method]()
         scheduler = FixedScheduler(16) if method == "oracle" else None
         out, stats = hybrid.generate(model, input_ids, drafter=drafter, scheduler=scheduler, return_stats=True, **settings)
         tau = stats.tau
-    return out.shape[1] - input_ids.shape[1], time.perf_counter() - start, tau, out
+    return out, time.perf_counter() - start, tau
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def prompt_sha(text: str) -> str:
+    return hashlib.sha1(text.encode()).hexdigest()[:12]
+
+
+def measurement_key(record: dict) -> tuple:
+    return tuple(record[f] for f in ("model", "dataset", "prompt_sha", "max_new_tokens", "repeat", "method"))
+
+
+def schedule(args, prompts: list[tuple[int, str]]) -> list[tuple[int, int, str, str]]:
+    """(repeat, prompt index, prompt, method) in run order: repeat by repeat, prompt by prompt, the methods
+    rotated so that none always runs first (after another method has warmed the caches)."""
+    order = []
+    for r in range(args.repeats):
+        for i, text in prompts:
+            shift = (r + i) % len(args.methods)
+            order += [(r, i, text, m) for m in args.methods[shift:] + args.methods[:shift]]
+    return order
+
+
+def run_shard(args, prompts: list[tuple[int, str]], done: set[tuple], path: Path, load=load_model,
+              show_progress: bool = True) -> list[dict]:  # fmt: skip
+    """Measure every pending (repeat, prompt, method) of `prompts`, appending each record to `path`."""
+    base = {"model": args.model, "dataset": args.dataset, "max_new_tokens": args.max_new_tokens}
+    pending = [(r, i, text, m) for r, i, text, m in schedule(args, prompts)
+               if measurement_key(dict(base, prompt_sha=prompt_sha(text), repeat=r, method=m)) not in done]  # fmt: skip
+    if not pending:
+        return []
+    model, tokenizer = load(args.model)
+    with torch.inference_mode():
+        return _measure(args, model, tokenizer, pending, path, show_progress)
+
+
+def _measure(args, model, tokenizer, pending, path: Path, show_progress: bool) -> list[dict]:
+    base = {"model": args.model, "dataset": args.dataset, "max_new_tokens": args.max_new_tokens}
+    warm_up = encode_prompt(tokenizer, pending[0][2])
+    model.generate(warm_up, attention_mask=torch.ones_like(warm_up), max_new_tokens=2, do_sample=False)
+    references: dict[int, torch.Tensor] = {}
+    records = []
+    bar = tqdm(total=len(pending), desc="bench", unit="run", disable=not show_progress, dynamic_ncols=True)
+    for r, i, text, method in pending:
+        input_ids = encode_prompt(tokenizer, text).to(model.device)
+        if i not in references:  # the greedy output every method must reproduce (and the oracle proposes)
+            references[i] = model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
+                                           max_new_tokens=args.max_new_tokens, do_sample=False)  # fmt: skip
+        out, seconds, tau = run_method(method, model, input_ids, references[i], args.max_new_tokens)
+        record = dict(base, prompt_sha=prompt_sha(text), prompt_index=i, repeat=r, method=method,
+                      new_tokens=out.shape[1] - input_ids.shape[1], seconds=seconds, tau=tau,
+                      identical=bool(torch.equal(out, references[i])))  # fmt: skip
+        append_record(path, record)
+        records.append(record)
+        bar.update()
+        postfix = {"method": method, "tok_s": f"{record['new_tokens'] / seconds:.1f}"}
+        bar.set_postfix(postfix | ({"tau": f"{tau:.2f}"} if tau is not None else {}))
+    bar.close()
+    return records
+
+
+def summarize(args, records: list[dict]) -> dict[str, dict]:
+    """Per method: median tokens/s over repeats (with min and max), mean tau, speed-up, fraction of the oracle."""
+    per_repeat: dict[str, dict[int, list[float]]] = {m: {} for m in args.methods}
+    taus: dict[str, dict[str, float]] = {m: {} for m in args.methods}
+    identical = {m: True for m in args.methods}
+    for rec in records:
+        tokens_seconds = per_repeat[rec["method"]].setdefault(rec["repeat"], [0, 0.0])
+        tokens_seconds[0] += rec["new_tokens"]
+        tokens_seconds[1] += rec["seconds"]
+        if rec["tau"] is not None:
+            taus[rec["method"]][rec["prompt_sha"]] = rec["tau"]  # greedy: the same in every repeat
+        identical[rec["method"]] &= rec["identical"]
+    tps = {m: [t / s for t, s in per_repeat[m].values()] for m in args.methods}
+    base = statistics.median(tps["plain"]) if "plain" in tps else None
+    ceiling = statistics.median(tps["oracle"]) if "oracle" in tps else None
+    rows = {}
+    for m in args.methods:
+        med = statistics.median(tps[m])
+        rows[m] = {"tokens_per_s": med, "min": min(tps[m]), "max": max(tps[m]),
+                   "tau": statistics.mean(taus[m].values()) if taus[m] else None,
+                   "speedup": med / base if base else None, "fraction_of_oracle": med / ceiling if ceiling else None,
+                   "identical_to_plain": identical[m]}  # fmt: skip
+    return rows
+
+
+def print_table(args, rows: dict[str, dict], num_prompts: int, processes: int) -> None:
+    def fmt(x, spec):
+        return "-" if x is None else format(x, spec)
+
+    print(f"\n{args.dataset}: {num_prompts} prompts, {args.max_new_tokens} new tokens, {args.repeats} repeats, greedy, "
+          f"{processes} process(es) x {torch.get_num_threads()} threads")  # fmt: skip
+    print(f"{'method':<20}{'tok/s':>8}{'spread':>14}{'tau':>7}{'speed-up':>10}{'of oracle':>11}  identical")
+    for m, row in rows.items():
+        spread = f"{row['min']:.1f}-{row['max']:.1f}"
+        print(f"{m:<20}{row['tokens_per_s']:>8.1f}{spread:>14}{fmt(row['tau'], '.2f'):>7}{fmt(row['speedup'], '.2f'):>9}x"
+              f"{fmt(row['fraction_of_oracle'], '.2f'):>11}  {'yes' if row['identical_to_plain'] else 'NO'}")  # fmt: skip
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(prog="python -m experiments.bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("--dataset", default="dev", help="dev, mt-bench, humaneval or a .jsonl file of prompts")
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--methods", default=",".join(DEFAULT_METHODS), help=f"comma-separated subset of {METHODS}")
-    parser.add_argument("--out", default="runs/bench", help="folder for results.json")
+    parser.add_argument("--model", default="default",
+                        help="default (SmolLM2-135M-Instruct), tiny (random, for tests) or a local checkpoint folder")  # fmt: skip
+    parser.add_argument("--out", default="runs/bench", help="folder for bench.jsonl and summary.json; rerun to resume")
     args = parser.parse_args(argv)
-    methods = args.methods.split(",")
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown:
-        parser.error(f"unknown method(s) {unknown}: choose from {METHODS}")
-    prompts = load_prompts(args.dataset)[: args.num_prompts]  # before any model loads: bad names fail fast
+    args.methods = list(dict.fromkeys(m.strip() for m in args.methods.split(",") if m.strip()))
+    unknown = [m for m in args.methods if m not in METHODS]
+    if unknown or not args.methods:
+        parser.error(f"unknown method(s) {unknown}: choose from {', '.join(METHODS)}")
+    if args.model != "default" and set(args.methods) & set(TRAINED):
+        parser.error(f"{sorted(set(args.methods) & set(TRAINED))} are trained for the default verifier: "
+                     f"drop them or use --model default")  # fmt: skip
+    for name in ("num_prompts", "max_new_tokens", "repeats"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    return parser, args
 
-    model, tokenizer, _ = hybrid.load_default()
-    torch.set_grad_enabled(False)
-    inputs = [encode_prompt(tokenizer, p) for p in prompts]
-    model(inputs[0][:, :8])  # warm-up
-    references = [model.generate(x, max_new_tokens=args.max_new_tokens, do_sample=False) for x in inputs]
 
-    # results[method][repeat] = [tokens, seconds]; taus[method] = per-prompt tau; identical[method] = all equal
-    results = {m: [[0, 0.0] for _ in range(args.repeats)] for m in methods}
-    taus = {m: [] for m in methods}
-    identical = {m: True for m in methods}
-    for r in range(args.repeats):
-        for i, (x, ref) in enumerate(zip(inputs, references)):
-            order = methods[(r + i) % len(methods) :] + methods[: (r + i) % len(methods)]  # rotate: no method always first
-            for method in order:
-                tokens, seconds, tau, out = run_method(method, model, x, ref, args.max_new_tokens)
-                results[method][r][0] += tokens
-                results[method][r][1] += seconds
-                identical[method] &= torch.equal(out, ref)
-                if r == 0 and tau is not None:
-                    taus[method].append(tau)
-        print(f"repeat {r + 1}/{args.repeats} done", flush=True)
+def main(argv=None, load=load_model) -> dict[str, dict]:
+    """Run (or resume) the benchmark; returns the summary rows (empty on processes other than the main one)."""
+    from accelerate import PartialState
+    from accelerate.utils import gather_object
 
-    tps = {m: [tokens / seconds for tokens, seconds in results[m]] for m in methods}
-    base = statistics.median(tps["plain"]) if "plain" in tps else None
-    ceiling = statistics.median(tps["oracle"]) if "oracle" in tps else None
-    print(f"\n{args.dataset}: {len(prompts)} prompts, {args.max_new_tokens} new tokens, {args.repeats} repeats, greedy, "
-          f"{torch.get_num_threads()} threads")  # fmt: skip
-    print(f"{'method':<14}{'tok/s':>8}{'spread':>14}{'tau':>7}{'speed-up':>10}{'of oracle':>11}  identical")
-    rows = {}
-    for m in methods:
-        med = statistics.median(tps[m])
-        tau = statistics.mean(taus[m]) if taus[m] else float("nan")
-        speedup = med / base if base else float("nan")
-        of_oracle = med / ceiling if ceiling else float("nan")
-        rows[m] = {"tokens_per_s": med, "min": min(tps[m]), "max": max(tps[m]), "tau": tau, "speedup": speedup,
-                   "fraction_of_oracle": of_oracle, "identical_to_plain": identical[m]}  # fmt: skip
-        print(f"{m:<14}{med:>8.1f}{f'{min(tps[m]):.1f}-{max(tps[m]):.1f}':>14}{tau:>7.2f}{speedup:>9.2f}x"
-              f"{of_oracle:>11.2f}  {'yes' if identical[m] else 'NO'}")  # fmt: skip
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"{args.dataset.replace('/', '_')}.json").write_text(json.dumps({"args": vars(args), "methods": rows}, indent=2))
+    parser, args = parse_args(argv)
+    try:
+        prompts = load_prompts(args.dataset)[: args.num_prompts]  # before any model loads: bad names fail fast
+    except (ValueError, RuntimeError) as e:
+        parser.error(str(e))
+    state = PartialState(cpu=True)
+    out = Path(args.out)
+    path = out / RECORDS_FILE
+    if state.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        drop_partial_line(path)
+    state.wait_for_everyone()
+    done = read_records(path, key=measurement_key)
+    state.wait_for_everyone()  # everyone has read the file before anyone appends to it
+    indexed = list(enumerate(prompts))
+    new = run_shard(args, indexed[state.process_index :: state.num_processes], {measurement_key(r) for r in done}, path,
+                    load, show_progress=state.is_main_process)  # fmt: skip
+    new = gather_object(new) if state.num_processes > 1 else new
+    if not state.is_main_process:
+        return {}
+    wanted = {measurement_key(dict(model=args.model, dataset=args.dataset, prompt_sha=prompt_sha(t),
+                                   max_new_tokens=args.max_new_tokens, repeat=r, method=m))
+              for r, _, t, m in schedule(args, indexed)}  # fmt: skip
+    records = [r for r in {measurement_key(r): r for r in done + new}.values() if measurement_key(r) in wanted]
+    rows = summarize(args, records)
+    print_table(args, rows, len(prompts), state.num_processes)
+    command = ["python", "-m", "experiments.bench", *(sys.argv[1:] if argv is None else argv)]
+    summary = {"command": command, "processes": state.num_processes, "threads": torch.get_num_threads(), "methods": rows}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return rows
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from drafters import BlockDiffusionDrafter, ModelDrafter
+from drafters.ar_baseline import load_ar_model
 from drafters.train import DEFAULT_WORK_DIR
 from hybrid.default import DRAFTER_DIR, DRAFTER_LOOKUP_NGRAM, shipped_block_size
 
@@ -23,8 +24,4 @@ def block(model, drafted: int, lookup: bool = False, path: Path = DRAFTER_DIR) -
 @lru_cache(maxsize=None)
 def ar(model, drafted: int, path: Path = AR_DIR) -> ModelDrafter:
     """The 1-layer AR baseline (same data, pipeline and trainable budget as the block drafter)."""
-    from transformers import AutoModelForCausalLM
-
-    if not (path / "config.json").exists():
-        raise FileNotFoundError(f"no AR baseline drafter in {path}: train it with `python -m drafters.train --arch ar`")
-    return ModelDrafter(AutoModelForCausalLM.from_pretrained(path).eval(), max_draft_len=drafted)
+    return ModelDrafter(load_ar_model(path, model), max_draft_len=drafted)

@@ -98,11 +98,13 @@ def perturbed_copy(model, scale: float, seed: int):
     return twin
 
 
-def random_block_drafter(model, seed: int, draft_vocab_size: int | None = None, block_size: int = 6, **kwargs):
+def random_block_drafter(model, seed: int, draft_vocab_size: int | None = None, block_size: int = 6,
+                         feature_input: bool = True, context_tokens: bool = True, **kwargs):
     """A random-weight BlockDiffusionDrafter for `model`, its draft vocabulary a random subset of the verifier's."""
     vocab = model.config.vocab_size
     size = vocab if draft_vocab_size is None else draft_vocab_size
-    config = BlockDiffusionConfig.for_verifier(model, block_size=block_size, draft_vocab_size=size)
+    config = BlockDiffusionConfig.for_verifier(model, block_size=block_size, draft_vocab_size=size,
+                                               feature_input=feature_input, context_tokens=context_tokens)
     torch.manual_seed(seed)
     drafter_model = BlockDiffusionModel(config)
     with torch.no_grad():

@@ -57,10 +57,14 @@ def training_logits(drafter, verifier, store, anchors, rng=None, reveal_prob=0.0
         return block_forward(drafter.model, embed, head, batch)[0], batch
 
 
-def test_training_computes_what_drafting_computes(world):
+@pytest.mark.parametrize("feature_input", [False, True])
+@pytest.mark.parametrize("context_tokens", [False, True])
+def test_training_computes_what_drafting_computes(world, feature_input, context_tokens):
     """Many anchors trained at once under the block mask give, per anchor, exactly the logits the drafter
     produces at draft time, when the verifier has states only up to the token before the anchor."""
-    verifier, drafter, store = world
+    verifier, _, store = world
+    drafter = random_block_drafter(verifier, seed=0, block_size=BLOCK, feature_input=feature_input,
+                                   context_tokens=context_tokens)
     ids = torch.tensor(store.sequence(0)["ids"], dtype=torch.long)
     anchors = [5, 12, 20, 27]
     trained, _ = training_logits(drafter, verifier, store, anchors)
@@ -76,6 +80,7 @@ def test_a_block_never_sees_later_context_or_other_blocks(world):
     with torch.no_grad():
         before = block_forward(drafter.model, embed, head, batch)
         batch["hidden"][0, 14:] += 5.0  # context at and after the second anchor
+        batch["ids"][0, 14:] = (batch["ids"][0, 14:] + 1) % VOCAB
         batch["tokens"][0, 2] = (batch["tokens"][0, 2] + 1) % VOCAB  # the third block's tokens
         after = block_forward(drafter.model, embed, head, batch)
     torch.testing.assert_close(before[0, 0], after[0, 0])  # anchor 6: sees rows < 6 and its own block
