@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Regenerates every figure in the README's "Results" section into docs/results (about 70 minutes on 2 cores).
+# Regenerates every figure in the README's "Results" section into docs/results (about 2 hours on 2 cores).
 # Interrupted? Run it again: the sweeps resume from their runs.jsonl.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,10 +11,17 @@ python -m experiments.acceptance --datasets mt-bench,humaneval --drafters lookup
     --num-prompts 10 --max-new-tokens 128 --out runs/schedulers
 python -m experiments.calibration --dataset dev --num-prompts 8 --max-new-tokens 128 --out runs/calibration
 # The trained drafters (issue 3): the shipped block-diffusion drafter alone and with n-gram lookup, prompt lookup,
-# and the 1-layer AR baseline (needs `python -m drafters.train --arch ar --steps 1600 --threads 1` first).
+# and the 1-layer AR baseline (trained by `bash experiments/gpu_train.sh OUT`, copied to ~/.cache/hybrid/drafter/ar-drafter).
 python -m experiments.acceptance --datasets mt-bench,humaneval --drafters lookup,block,block-lookup,ar \
     --schedulers fixed,cost-aware --block-sizes 7 --num-prompts 6 --max-new-tokens 256 --out runs/trained
-for run in drafters schedulers calibration trained; do
+python -m experiments.acceptance --datasets mt-bench,humaneval --drafters lookup,block-lookup,ar --schedulers cost-aware \
+    --temperatures 0.7 --block-sizes 7 --num-prompts 6 --max-new-tokens 256 --out runs/trained-t07
+# The schedulers with the shipped default drafter (block 7 is its largest).
+python -m experiments.acceptance --datasets mt-bench,humaneval --drafters block-lookup \
+    --schedulers fixed-1,fixed-2,fixed-3,fixed-5,fixed-7,heuristic,cost-aware --block-sizes 7 \
+    --num-prompts 6 --max-new-tokens 128 --out runs/schedulers-default
+mkdir -p runs/memory && python -m experiments.memory --max-new-tokens 1024 | tee runs/memory/memory.txt
+for run in drafters schedulers calibration trained trained-t07 schedulers-default memory; do
     mkdir -p "docs/results/$run"
-    cp runs/$run/*.png runs/$run/*.md runs/$run/*.csv runs/$run/*.json "docs/results/$run/" 2>/dev/null || true
+    cp runs/$run/*.png runs/$run/*.md runs/$run/*.csv runs/$run/*.json runs/$run/*.txt "docs/results/$run/" 2>/dev/null || true
 done

@@ -7,6 +7,7 @@ tokens, lengths, logits processors, stopping criteria), so a call means exactly 
 
 from __future__ import annotations
 
+import copy
 
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
@@ -68,9 +69,13 @@ def generate(
 ):
     """Generate like `model.generate(input_ids, **kwargs)`, verifying drafts from `drafter` in one forward each.
 
-    Returns what `model.generate` returns: a LongTensor [1, prompt + new] or, with
-    `return_dict_in_generate=True`, a `GenerateDecoderOnlyOutput` (sequences, scores, logits, cache).
-    Greedy output is the verifier's greedy output; sampled output has the verifier's distribution.
+    Returns what `model.generate` returns: a LongTensor [batch, prompt + new] or, with
+    `return_dict_in_generate=True` (batch 1), a `GenerateDecoderOnlyOutput` (sequences, scores, logits,
+    cache). Greedy output is the verifier's greedy output; sampled output has the verifier's distribution.
+
+    A batch (left-padded, with its `attention_mask`) is decoded row by row, each row exactly as a batch-1
+    call with its padding removed, so every row's output is the batch-1 output; rows that finish early are
+    padded with `pad_token_id`, as `generate` pads them. The rows are not yet run as one batched forward.
 
     Args beyond `generate`'s:
         drafter: a `drafters.Drafter` (None: no drafting, plain AR decoding through this engine).
@@ -109,7 +114,8 @@ def generate(
 
     input_ids, attention_mask = _check_prompt(model, input_ids, call["attention_mask"])
     prompt_len = input_ids.shape[1]
-    model._prepare_special_tokens(config, call["attention_mask"] is not None, device=input_ids.device, batch_size=1)
+    model._prepare_special_tokens(config, call["attention_mask"] is not None, device=input_ids.device,
+                                  batch_size=input_ids.shape[0])
     if attention_mask is None:
         attention_mask = model._prepare_attention_mask_for_generation(input_ids, config, {})
         _check_mask(attention_mask)
@@ -124,6 +130,8 @@ def generate(
         input_ids_length=prompt_len,
     )
     model._validate_generated_length(config, prompt_len, has_default_max_length)
+    if input_ids.shape[0] > 1:
+        return _generate_rows(model, input_ids, attention_mask, config, call, drafter, scheduler, return_stats, generator)
 
     if drafter is not None and not isinstance(drafter, Drafter):  # before drafter.hidden_layers is read
         raise TypeError(f"drafter must be a drafters.Drafter (or None for plain decoding), got {type(drafter).__name__}")
@@ -207,8 +215,41 @@ def _check_config(config: GenerationConfig) -> None:
         raise ValueError(f"max_new_tokens={config.max_new_tokens}: ask for at least 1 new token")
 
 
+def _generate_rows(model, input_ids, attention_mask, config, call, drafter, scheduler, return_stats, generator):
+    """A batch, one row at a time: each row unpadded and decoded by the batch-1 path, then re-assembled."""
+    for name, why in (("streamer", "streamers take one sequence"),):
+        if call[name] is not None:
+            raise ValueError(f"{name} with batch size {input_ids.shape[0]}: {why}; pass one prompt per call")
+    if config.return_dict_in_generate:
+        raise ValueError(f"return_dict_in_generate with batch size {input_ids.shape[0]} is not supported yet: "
+                         "pass one prompt per call for scores, logits and the cache")  # fmt: skip
+    max_new = config.max_length - input_ids.shape[1]  # generate counts max_length from the padded prompt
+    row_config = copy.deepcopy(config)
+    row_config.max_length, row_config.max_new_tokens = None, max_new
+    if config.min_length:  # likewise min_length: the same number of new tokens for every row
+        row_config.min_length, row_config.min_new_tokens = 0, max(0, config.min_length - input_ids.shape[1])
+    rows, parts = [], []
+    for r in range(input_ids.shape[0]):
+        start = 0 if attention_mask is None else int(attention_mask[r].argmax())  # left padding ends at the first 1
+        extra = {k: v for k, v in call.items() if v is not None and k not in ("attention_mask", "streamer")}
+        if call["prefix_allowed_tokens_fn"] is not None:  # it is told the row's index in the batch
+            extra["prefix_allowed_tokens_fn"] = lambda _, ids, fn=call["prefix_allowed_tokens_fn"], r=r: fn(r, ids)
+        out, stats = generate(model, input_ids[r : r + 1, start:], drafter=drafter, scheduler=scheduler,
+                              return_stats=True, generator=generator, generation_config=row_config, **extra)  # fmt: skip
+        rows.append(out[0, input_ids.shape[1] - start :])
+        parts.append(stats)
+    width = max(len(row) for row in rows)
+    pad = config._pad_token_tensor
+    if pad is None and any(len(row) < width for row in rows):
+        raise ValueError("rows finished at different lengths and there is no pad_token_id to fill the shorter ones: "
+                         "set pad_token_id (e.g. to the tokenizer's eos_token_id)")  # fmt: skip
+    new = torch.stack([torch.cat([row, row.new_full((width - len(row),), int(pad) if pad is not None else 0)]) for row in rows])
+    output = torch.cat([input_ids, new], dim=1)
+    return (output, GenerationStats.combined(parts)) if return_stats else output
+
+
 def _check_mask(mask: torch.Tensor) -> None:
-    if not bool(mask[0, -1] == 1):
+    if not bool((mask[:, -1] == 1).all()):
         raise ValueError(
             "attention_mask ends with padding (right-padded prompt): decoder-only generation needs left "
             "padding; tokenize with padding_side='left'"
@@ -221,11 +262,8 @@ def _check_prompt(model, input_ids, attention_mask):
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype not in (torch.long, torch.int):
         got = f"{tuple(input_ids.shape)} {input_ids.dtype}" if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
         raise ValueError(f"input_ids must be a LongTensor [batch, length], got {got}")
-    if input_ids.shape[0] != 1:
-        raise ValueError(
-            f"batch size {input_ids.shape[0]} is not supported yet: hybrid.generate decodes one sequence at a "
-            "time; call it once per row"
-        )
+    if input_ids.shape[0] == 0:
+        raise ValueError("input_ids has no rows: pass at least one prompt")
     if input_ids.shape[1] == 0:
         raise ValueError("empty prompt: input_ids has no tokens; pass at least one (e.g. the BOS token)")
     context = getattr(model.config.get_text_config(), "max_position_embeddings", None)

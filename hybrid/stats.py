@@ -54,6 +54,18 @@ class GenerationStats:
         drafted = sum(self.drafted)
         return sum(self.accepted) / drafted if drafted else float("nan")
 
+    @classmethod
+    def combined(cls, parts: list[GenerationStats]) -> GenerationStats:
+        """The stats of several calls (e.g. the rows of a batch) as one: steps concatenated, times summed."""
+        total = cls()
+        for part in parts:
+            total.drafted += part.drafted
+            total.accepted += part.accepted
+            total.emitted += part.emitted
+            for name in ("prefill_time", "draft_time", "verify_time", "schedule_time", "total_time"):
+                setattr(total, name, getattr(total, name) + getattr(part, name))
+        return total
+
     def summary(self) -> str:
         return (
             f"{self.new_tokens} tokens in {self.verifier_forwards} verifier forwards: tau {self.tau:.2f}, "

@@ -40,6 +40,7 @@ def measure_verify_costs(model, sizes=PROBE_SIZES, repeats: int = 2) -> dict[int
     generator = torch.Generator().manual_seed(0)
     context = torch.randint(0, vocab, (1, CONTEXT), generator=generator).to(model.device)
     cache = DynamicCache(config=model.config)
+    cache.activate_past_recording()  # sliding-window layers keep what the crop below removes (as in Verifier)
     model(context, cache=cache, use_cache=True)
     costs = {m: float("inf") for m in sizes}
     for m in (sizes[0], *sizes * repeats):  # the first forward only warms up

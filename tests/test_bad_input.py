@@ -205,9 +205,41 @@ def test_prompt_longer_than_context(model, drafter, length):
         gen(model, ids, drafter)
 
 
-def test_batch_of_two(model, prompt, drafter):
-    with pytest.raises(ValueError, match=r"batch size 2 is not supported"):
-        gen(model, prompt.repeat(2, 1), drafter)
+def test_batch_with_a_streamer(model, prompt, drafter):
+    from transformers.generation.streamers import BaseStreamer
+
+    with pytest.raises(ValueError, match=r"streamer with batch size 2: streamers take one sequence"):
+        gen(model, prompt.repeat(2, 1), drafter, streamer=BaseStreamer())
+
+
+def test_batch_with_return_dict(model, prompt, drafter):
+    with pytest.raises(ValueError, match=r"return_dict_in_generate with batch size 2 is not supported yet"):
+        gen(model, prompt.repeat(2, 1), drafter, return_dict_in_generate=True)
+
+
+def test_batch_with_a_right_padded_row(model, prompt, drafter):
+    mask = torch.ones(2, prompt.shape[1], dtype=torch.long)
+    mask[1, -1] = 0
+    with pytest.raises(ValueError, match=r"right-padded.*padding_side='left'"):
+        gen(model, prompt.repeat(2, 1), drafter, attention_mask=mask)
+
+
+def test_batch_rows_of_different_lengths_need_a_pad_token(model, prompt, drafter):
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class StopRowStartingWith(StoppingCriteria):  # ends the row whose first token is `first` after 2 new tokens
+        def __init__(self, first: int):
+            self.first = first
+
+        def __call__(self, input_ids, scores, **kwargs):
+            done = (input_ids[:, 0] == self.first) & (input_ids.shape[1] >= prompt.shape[1] + 2)
+            return done
+
+    other = prompt.clone()
+    other[0, 0] = (other[0, 0] + 1) % VOCAB
+    with pytest.raises(ValueError, match=r"no pad_token_id to fill the shorter ones: set pad_token_id"):
+        gen(model, torch.cat([prompt, other]), drafter, eos_token_id=None, pad_token_id=None, max_new_tokens=5,
+            stopping_criteria=StoppingCriteriaList([StopRowStartingWith(int(prompt[0, 0]))]))
 
 
 @pytest.mark.parametrize("shape", [(1, 5), (1, 9), (2, 8)])
@@ -432,7 +464,7 @@ def test_no_partial_state_after_bad_calls(env, model, prompt, drafter):
         dict(input_ids=prompt, num_beams=4),
         dict(input_ids=prompt, foo=1),
         dict(input_ids=prompt, attention_mask=torch.ones(1, 3, dtype=torch.long)),
-        dict(input_ids=prompt.repeat(2, 1)),
+        dict(input_ids=prompt.repeat(2, 1), return_dict_in_generate=True),
         dict(input_ids=prompt, do_sample=True, temperature=0),
         dict(input_ids=prompt, scheduler=NotAScheduler()),
     ]

@@ -79,6 +79,12 @@ def test_calibration_file_round_trip_and_mismatch(tmp_path):
     assert json.loads(path.read_text())["fingerprint"] == pair_fingerprint(drafter, model)
 
 
+def test_verify_cost_measures_a_sliding_window_model():
+    # The probe's context (64 tokens) is longer than the window: the crops after each probe must still work.
+    costs = measure_verify_costs(tiny_model("mistral", 40, 1, seed=0, sliding_window=4), sizes=(1, 2, 5), repeats=1)
+    assert set(costs) == {1, 2, 5} and all(0 < t < float("inf") for t in costs.values())
+
+
 def test_verify_cost_is_measured_and_rescaled():
     costs = measure_verify_costs(tiny_model("llama", 64, 1, seed=0), sizes=(1, 5), repeats=1)
     assert set(costs) == {1, 5} and all(t > 0 for t in costs.values())

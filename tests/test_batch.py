@@ -1,0 +1,37 @@
+"""Property: a batch (left-padded, any lengths) gives, row by row, exactly what batch-1 calls give."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import hybrid
+from strategies import drafters_for, verifiers
+
+PROPERTY = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+PAD = 0
+
+
+@PROPERTY
+@given(data=st.data())
+def test_batch_rows_equal_batch_one_outputs(data):
+    model = data.draw(verifiers(), label="verifier")
+    vocab = model.config.vocab_size
+    lengths = data.draw(st.lists(st.integers(1, 10), min_size=2, max_size=4), label="prompt lengths")
+    rows = [data.draw(st.lists(st.integers(1, vocab - 1), min_size=n, max_size=n), label="prompt") for n in lengths]
+    width = max(lengths) + data.draw(st.integers(0, 2), label="extra padding")
+    input_ids = torch.tensor([[PAD] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    eos = data.draw(st.one_of(st.none(), st.integers(1, vocab - 1)), label="eos")
+    drafter = data.draw(drafters_for(model, eos), label="drafter")
+    settings_ = {"max_new_tokens": data.draw(st.integers(1, 20), label="max_new_tokens"), "do_sample": False,
+                 "eos_token_id": eos, "pad_token_id": PAD}  # fmt: skip
+
+    batch = hybrid.generate(model, input_ids, attention_mask=mask, drafter=drafter, **settings_)
+    assert batch.shape[0] == len(rows) and torch.equal(batch[:, :width], input_ids)
+    for r, row in enumerate(rows):
+        alone = hybrid.generate(model, torch.tensor([row]), drafter=drafter, **settings_)[0, len(row) :]
+        new = batch[r, width:]
+        assert torch.equal(new[: len(alone)], alone), f"row {r}"
+        assert bool((new[len(alone) :] == PAD).all()), f"row {r} is padded after it finished"
