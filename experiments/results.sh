@@ -21,7 +21,10 @@ python -m experiments.acceptance --datasets mt-bench,humaneval --drafters block-
     --schedulers fixed-1,fixed-2,fixed-3,fixed-5,fixed-7,heuristic,cost-aware --block-sizes 7 \
     --num-prompts 6 --max-new-tokens 128 --out runs/schedulers-default
 mkdir -p runs/memory && python -m experiments.memory --max-new-tokens 1024 | tee runs/memory/memory.txt
-for run in drafters schedulers calibration trained trained-t07 schedulers-default memory; do
+mkdir -p runs/bench-mt && python -m experiments.bench --dataset mt-bench --num-prompts 4 --max-new-tokens 128 --repeats 2 \
+    --methods plain,hf-lookup,hybrid-none,hybrid-lookup,hybrid-block,hybrid-block-lookup,hybrid-ar,oracle --out runs/bench-mt \
+    | tee runs/bench-mt/table.txt
+for run in drafters schedulers calibration trained trained-t07 schedulers-default memory bench-mt; do
     mkdir -p "docs/results/$run"
     cp runs/$run/*.png runs/$run/*.md runs/$run/*.csv runs/$run/*.json runs/$run/*.txt "docs/results/$run/" 2>/dev/null || true
 done
