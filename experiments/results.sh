@@ -14,7 +14,7 @@ python -m experiments.calibration --dataset dev --num-prompts 8 --max-new-tokens
 # and the 1-layer AR baseline (trained by `bash experiments/gpu_train.sh OUT`, copied to ~/.cache/hybrid/drafter/ar-drafter).
 python -m experiments.acceptance --datasets mt-bench,humaneval --drafters lookup,block,block-lookup,ar \
     --schedulers fixed,cost-aware --block-sizes 7 --num-prompts 6 --max-new-tokens 256 --out runs/trained
-python -m experiments.acceptance --datasets mt-bench,humaneval --drafters lookup,block-lookup,ar --schedulers cost-aware \
+python -m experiments.acceptance --datasets mt-bench,humaneval --drafters lookup,block,block-lookup,ar --schedulers cost-aware \
     --temperatures 0.7 --block-sizes 7 --num-prompts 6 --max-new-tokens 256 --out runs/trained-t07
 # The schedulers with the shipped default drafter (block 7 is its largest).
 python -m experiments.acceptance --datasets mt-bench,humaneval --drafters block-lookup \
