@@ -283,8 +283,8 @@ class BlockDiffusionDrafter(Drafter):
     def reset(self, ctx: DraftContext) -> None:
         self._reset_cache()
 
-    def _sync_context(self, ctx: DraftContext, committed: torch.Tensor) -> int:
-        """Bring the context cache to the verifier states of committed[:-1]; return its length."""
+    def _sync_context(self, ctx: DraftContext, committed: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """Bring the context cache to the verifier states of committed[:-1]; return its length and those states."""
         states = ctx.hidden_states()
         if states is None:
             raise ValueError("the verifier keeps no hidden states: run BlockDiffusionDrafter through hybrid.generate")
@@ -308,16 +308,15 @@ class BlockDiffusionDrafter(Drafter):
                 self._keys[layer][:, :, keep:n] = k
                 self._values[layer][:, :, keep:n] = v
         self._ids = committed[:n].cpu().clone()
-        return n
+        return n, states
 
     @torch.inference_mode()
     def block_logits(self, ctx: DraftContext, block: torch.Tensor, known: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits [B - 1, V'] for block positions 1.. given block tokens [B] where `known` [B]."""
         committed = ctx.input_ids[0, ctx.num_padding :]
-        n = self._sync_context(ctx, committed)
+        n, states = self._sync_context(ctx, committed)
         last = None
         if self.model.config.feature_input:  # the fused feature of the token before the anchor (zeros if none)
-            states = ctx.hidden_states()[0, ctx.num_padding :]
             last = (self.model.features(states[n - 1], self.embed(committed[n - 1])) if n
                     else self.model.feature_gate.new_zeros(self.model.feature_gate.shape))
         embeds = self.model.block_inputs(self.embed(block), known, last)

@@ -24,6 +24,11 @@ from drafters.corpus import source_documents
 from hybrid.prompts import encode_prompt
 
 
+def _pad_id(tokenizer) -> int:
+    """What batched generation pads with: the tokenizer's pad token, else its EOS."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
 def _user_turn(tokenizer, user: str) -> list[int]:
     return encode_prompt(tokenizer, user)[0].tolist()
 
@@ -38,7 +43,7 @@ def synthetic_user_turns(model, tokenizer, count: int, out_file: Path, batch_siz
     rendered = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False)
     header = tokenizer(rendered[: rendered.index(marker)], add_special_tokens=False, return_tensors="pt")["input_ids"]
     stop = tokenizer.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tokenizer.get_vocab() else tokenizer.eos_token_id
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad = _pad_id(tokenizer)
     torch.manual_seed(seed)
     turns, seen, start = [], set(), time.time()
     while len(turns) < count:
@@ -72,7 +77,7 @@ def generate_shards(model, tokenizer, prompts: list[str], out_dir: Path, minutes
     `minutes` of work allow."""
     out_dir.mkdir(parents=True, exist_ok=True)
     batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)][:max_shards]
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad = _pad_id(tokenizer)
     eos = model.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [eos])
     start, made = time.time(), 0

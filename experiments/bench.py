@@ -83,6 +83,12 @@ def measurement_key(record: dict) -> tuple:
     return tuple(record[f] for f in ("model", "dataset", "prompt_sha", "max_new_tokens", "repeat", "method"))
 
 
+def identity(args, text: str, repeat: int, method: str) -> dict:
+    """The fields that name one measurement (what `measurement_key` reads)."""
+    return {"model": args.model, "dataset": args.dataset, "prompt_sha": prompt_sha(text),
+            "max_new_tokens": args.max_new_tokens, "repeat": repeat, "method": method}  # fmt: skip
+
+
 def schedule(args, prompts: list[tuple[int, str]]) -> list[tuple[int, int, str, str]]:
     """(repeat, prompt index, prompt, method) in run order: repeat by repeat, prompt by prompt, the methods
     rotated so that none always runs first (after another method has warmed the caches)."""
@@ -97,9 +103,8 @@ def schedule(args, prompts: list[tuple[int, str]]) -> list[tuple[int, int, str, 
 def run_shard(args, prompts: list[tuple[int, str]], done: set[tuple], path: Path, load=load_model,
               show_progress: bool = True) -> list[dict]:  # fmt: skip
     """Measure every pending (repeat, prompt, method) of `prompts`, appending each record to `path`."""
-    base = {"model": args.model, "dataset": args.dataset, "max_new_tokens": args.max_new_tokens}
     pending = [(r, i, text, m) for r, i, text, m in schedule(args, prompts)
-               if measurement_key(dict(base, prompt_sha=prompt_sha(text), repeat=r, method=m)) not in done]  # fmt: skip
+               if measurement_key(identity(args, text, r, m)) not in done]  # fmt: skip
     if not pending:
         return []
     model, tokenizer = load(args.model)
@@ -108,7 +113,6 @@ def run_shard(args, prompts: list[tuple[int, str]], done: set[tuple], path: Path
 
 
 def _measure(args, model, tokenizer, pending, path: Path, show_progress: bool) -> list[dict]:
-    base = {"model": args.model, "dataset": args.dataset, "max_new_tokens": args.max_new_tokens}
     warm_up = encode_prompt(tokenizer, pending[0][2])
     model.generate(warm_up, attention_mask=torch.ones_like(warm_up), max_new_tokens=2, do_sample=False)
     references: dict[int, torch.Tensor] = {}
@@ -120,9 +124,8 @@ def _measure(args, model, tokenizer, pending, path: Path, show_progress: bool) -
             references[i] = model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
                                            max_new_tokens=args.max_new_tokens, do_sample=False)  # fmt: skip
         out, seconds, tau = run_method(method, model, input_ids, references[i], args.max_new_tokens)
-        record = dict(base, prompt_sha=prompt_sha(text), prompt_index=i, repeat=r, method=method,
-                      new_tokens=out.shape[1] - input_ids.shape[1], seconds=seconds, tau=tau,
-                      identical=bool(torch.equal(out, references[i])))  # fmt: skip
+        record = dict(identity(args, text, r, method), prompt_index=i, new_tokens=out.shape[1] - input_ids.shape[1],
+                      seconds=seconds, tau=tau, identical=bool(torch.equal(out, references[i])))  # fmt: skip
         append_record(path, record)
         records.append(record)
         bar.update()
@@ -220,9 +223,7 @@ def main(argv=None, load=load_model) -> dict[str, dict]:
     new = gather_object(new) if state.num_processes > 1 else new
     if not state.is_main_process:
         return {}
-    wanted = {measurement_key(dict(model=args.model, dataset=args.dataset, prompt_sha=prompt_sha(t),
-                                   max_new_tokens=args.max_new_tokens, repeat=r, method=m))
-              for r, _, t, m in schedule(args, indexed)}  # fmt: skip
+    wanted = {measurement_key(identity(args, t, r, m)) for r, _, t, m in schedule(args, indexed)}
     records = [r for r in {measurement_key(r): r for r in done + new}.values() if measurement_key(r) in wanted]
     rows = summarize(args, records)
     print_table(args, rows, len(prompts), state.num_processes)

@@ -217,9 +217,9 @@ def _check_config(config: GenerationConfig) -> None:
 
 def _generate_rows(model, input_ids, attention_mask, config, call, drafter, scheduler, return_stats, generator):
     """A batch, one row at a time: each row unpadded and decoded by the batch-1 path, then re-assembled."""
-    for name, why in (("streamer", "streamers take one sequence"),):
-        if call[name] is not None:
-            raise ValueError(f"{name} with batch size {input_ids.shape[0]}: {why}; pass one prompt per call")
+    if call["streamer"] is not None:
+        raise ValueError(f"streamer with batch size {input_ids.shape[0]}: streamers take one sequence; "
+                         "pass one prompt per call")  # fmt: skip
     if config.return_dict_in_generate:
         raise ValueError(f"return_dict_in_generate with batch size {input_ids.shape[0]} is not supported yet: "
                          "pass one prompt per call for scores, logits and the cache")  # fmt: skip
