@@ -8,6 +8,7 @@ is validated, and the acceptance rule makes the output the verifier's own whatev
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -61,7 +62,9 @@ class DraftContext:
     processors:   the very logits processors/warpers the verifier's scores go through.
     generator:    the random generator of this call (None: torch's global one).
     verifier:     the `verifiers.Verifier`; `hidden_states()` gives the states of the layers the
-                  drafter asked for (`Drafter.hidden_layers`) for input_ids[:, :-1], never beyond.
+                  drafter asked for (`Drafter.hidden_layers`) for input_ids[:, num_padding:-1] (padding
+                  has no states), never beyond.
+    row:          this sequence's row in the verifier's batch.
     """
 
     input_ids: torch.Tensor
@@ -70,9 +73,10 @@ class DraftContext:
     processors: LogitsProcessorList
     generator: torch.Generator | None
     verifier: object
+    row: int = 0
 
     def hidden_states(self) -> torch.Tensor | None:
-        return self.verifier.hidden_states()
+        return self.verifier.hidden_states(self.row)
 
     def choose(self, logits: torch.Tensor, prefix_ids: torch.Tensor) -> tuple[int, torch.Tensor]:
         """Pick a draft token from a drafter's logits [vocab] at the position after `prefix_ids` [1, m].
@@ -104,6 +108,14 @@ class Drafter:
 
     def reset(self, ctx: DraftContext) -> None:
         """Called once per `generate` call, after the prefill and before the first `propose`."""
+
+    def fork(self) -> Drafter:
+        """A drafter for another row of a batch: shares the weights, keeps its own per-sequence state.
+
+        The default is a shallow copy, right for state that `reset` assigns afresh; override it when
+        state lives in objects `__init__` creates (as `ModelDrafter`'s cache does).
+        """
+        return copy.copy(self)
 
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
         """Return at most `max_tokens` tokens to follow `ctx.input_ids`."""

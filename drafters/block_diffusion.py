@@ -288,7 +288,7 @@ class BlockDiffusionDrafter(Drafter):
         states = ctx.hidden_states()
         if states is None:
             raise ValueError("the verifier keeps no hidden states: run BlockDiffusionDrafter through hybrid.generate")
-        states = states[0, ctx.num_padding :]
+        states = states[0]
         n = committed.shape[0] - 1
         if states.shape[0] != n:
             raise ValueError(f"verifier has states for {states.shape[0]} tokens, expected {n} (committed minus the anchor)")

@@ -22,6 +22,9 @@ class ModelDrafter(Drafter):
         self.max_draft_len = max_draft_len
         self._fed = torch.empty(0, dtype=torch.long)  # tokens whose KV is in the drafter's cache
 
+    def fork(self) -> ModelDrafter:
+        return ModelDrafter(self.lm.model, self.tokenizer, self.max_draft_len)
+
     def reset(self, ctx: DraftContext) -> None:
         self._fed = torch.empty(0, dtype=torch.long)
 

@@ -108,6 +108,7 @@ def run_shard(args, prompts: list[tuple[int, str]], done: set[tuple], path: Path
     if not pending:
         return []
     model, tokenizer = load(args.model)
+    model = model.to(args.device)
     with torch.inference_mode():
         return _measure(args, model, tokenizer, pending, path, show_progress)
 
@@ -183,6 +184,7 @@ def parse_args(argv):
     parser.add_argument("--methods", default=",".join(DEFAULT_METHODS), help=f"comma-separated subset of {METHODS}")
     parser.add_argument("--model", default="default",
                         help="default (SmolLM2-135M-Instruct), tiny (random, for tests) or a local checkpoint folder")  # fmt: skip
+    parser.add_argument("--device", default="cpu", help="where the verifier and drafters run (cpu, cuda, cuda:1)")
     parser.add_argument("--out", default="runs/bench", help="folder for bench.jsonl and summary.json; rerun to resume")
     args = parser.parse_args(argv)
     args.methods = list(dict.fromkeys(m.strip() for m in args.methods.split(",") if m.strip()))

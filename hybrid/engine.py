@@ -1,10 +1,14 @@
-"""The decoding loop: draft -> schedule -> verify k+1 positions in one forward -> accept -> commit.
+"""The decoding loop: draft -> schedule -> verify k+1 positions in one forward -> accept -> roll back.
 
 Reads top to bottom like the data path. Arguments arrive already validated by `hybrid.generate`.
+A batch is one forward per step over every unfinished row: each row drafts, is verified and accepts
+on its own (rows accept different numbers of tokens; the cache keeps one length per row), exactly as
+it would alone; rows that finish leave the batch.
 """
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass
 
@@ -20,22 +24,28 @@ from verifiers.verifier import Verifier
 
 @dataclass
 class DecodeResult:
-    sequences: torch.Tensor  # [1, prompt + new]
-    scores: tuple[torch.Tensor, ...] | None  # processed scores per new token, each [1, vocab]
-    logits: tuple[torch.Tensor, ...] | None  # raw logits per new token, each [1, vocab]
-    stats: GenerationStats
+    sequences: list[torch.Tensor]  # per row [1, prompt + new] (the prompt with its left padding)
+    scores: tuple[torch.Tensor, ...] | None  # batch 1: processed scores per new token, each [1, vocab]
+    logits: tuple[torch.Tensor, ...] | None  # batch 1: raw logits per new token, each [1, vocab]
+    stats: GenerationStats  # batch 1: the row's; a batch: all rows' steps, wall-clock times of the call
 
 
-class _Output:
-    """The growing sequence and everything `generate` records for each emitted token."""
+class _Row:
+    """One sequence: its growing ids and everything `generate` records for each emitted token."""
 
-    def __init__(self, input_ids, stopping_criteria, streamer, keep_scores, keep_logits):
-        self.ids = input_ids
+    def __init__(self, input_ids, num_padding, processors, stopping_criteria, streamer, keep_scores, keep_logits):
+        self.ids = input_ids  # [1, n], left padding included, as `generate` returns it
+        self.num_padding = num_padding
+        self.processors = processors
         self.stopping_criteria = stopping_criteria
         self.streamer = streamer
         self.scores = () if keep_scores else None
         self.logits = () if keep_logits else None
         self.finished = False
+        self.stats = GenerationStats()
+        self.ctx: DraftContext | None = None
+        self.drafter: Drafter | None = None
+        self.draft = Draft.empty(input_ids.device)
 
     def emit(self, token: int, scores: torch.Tensor, logits: torch.Tensor) -> None:
         self.ids = torch.cat([self.ids, self.ids.new_tensor([[token]])], dim=1)
@@ -55,9 +65,7 @@ def decode(
     verifier: Verifier,
     drafter: Drafter | None,
     scheduler: Scheduler,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    processors: LogitsProcessorList,
+    prompts: list[tuple[torch.Tensor, int, LogitsProcessorList]],
     stopping_criteria: StoppingCriteriaList,
     max_length: int,
     do_sample: bool,
@@ -66,80 +74,128 @@ def decode(
     keep_scores: bool = False,
     keep_logits: bool = False,
 ) -> DecodeResult:
-    stats = GenerationStats()
+    """Decode every prompt (input_ids [1, n] with `num_padding` leading pads, and its processors) to the end."""
     start = time.perf_counter()
-    out = _Output(input_ids, stopping_criteria, streamer, keep_scores, keep_logits)
+    rows = [_Row(ids, pads, procs, stopping_criteria, streamer, keep_scores, keep_logits) for ids, pads, procs in prompts]
     if streamer is not None:
-        streamer.put(input_ids.cpu())  # as `generate` does; TextStreamer(skip_prompt=True) drops it
+        streamer.put(rows[0].ids.cpu())  # as `generate` does; TextStreamer(skip_prompt=True) drops it
     vocab_size = verifier.vocab_size
-    num_padding = 0 if attention_mask is None else int(attention_mask[0].argmax())  # leading pads (mask ends in 1)
     max_positions = getattr(verifier.model.config.get_text_config(), "max_position_embeddings", None)
+    draft_len = drafter.max_draft_len if drafter is not None else 0
 
     def choose(scores: torch.Tensor) -> int:
         """The verifier's own token from its processed scores, as `generate` picks it."""
         return sample(torch.softmax(scores, dim=-1), generator) if do_sample else int(scores.argmax())
 
-    # Prefill: the first new token is the verifier's, exactly as in `generate`.
-    logits = verifier.prefill(input_ids, attention_mask, capacity=max_length)
-    scores = process_logits(processors, out.ids, logits)
-    out.emit(choose(scores), scores, logits)
-    out.stream(1)
-    stats.record(drafted=0, accepted=0, emitted=1)
-    stats.prefill_time = time.perf_counter() - start
-
-    ctx = DraftContext(out.ids, num_padding, do_sample, processors, generator, verifier)
+    # Prefill: the first new token of every row is the verifier's, exactly as in `generate`.
+    logits = verifier.prefill_rows([row.ids[0, row.num_padding :] for row in rows], capacity=max_length + draft_len + 1)
+    for row, row_logits in zip(rows, logits):
+        scores = process_logits(row.processors, row.ids, row_logits)
+        row.emit(choose(scores), scores, row_logits)
+        row.stream(1)
+        row.stats.record(drafted=0, accepted=0, emitted=1)
+        row.stats.prefill_time = time.perf_counter() - start
     if drafter is not None:
-        drafter.reset(ctx)
         scheduler.reset(drafter, verifier.model)
+    for b, row in enumerate(rows):
+        row.ctx = DraftContext(row.ids, row.num_padding, do_sample, row.processors, generator, verifier, row=b)
+        if drafter is not None:
+            # Each row drafts with its own copy (weights shared, per-sequence state separate).
+            row.drafter = drafter if len(rows) == 1 else drafter.fork()
+            row.drafter.reset(row.ctx)
 
-    while not out.finished:
-        # Room: never draft past max_length (the bonus token needs a slot) or the model's context.
-        room = max_length - out.ids.shape[1] - 1
-        if max_positions is not None:
-            room = min(room, max_positions - verifier.next_position - 1)
+    active = _drop_finished(verifier, rows)
+    while active:
+        # Draft, each row on its own. Room: never past max_length (the bonus token needs a slot) or the context.
         t0 = time.perf_counter()
-        max_k = min(scheduler.max_draft_length(), room) if drafter is not None else 0
-        t1 = time.perf_counter()
-        draft = Draft.empty(out.ids.device)
-        if max_k > 0:
-            ctx.input_ids = out.ids
-            draft = check_draft(drafter.propose(ctx, max_k), max_k, vocab_size, type(drafter).__name__)
+        max_k = min(scheduler.max_draft_length(), draft_len) if drafter is not None else 0
+        schedule_time = time.perf_counter() - t0
+        for row in active:
+            room = max_length - row.ids.shape[1] - 1
+            if max_positions is not None:
+                room = min(room, max_positions - verifier.length(row.ctx.row) - 1)
+            t1 = time.perf_counter()
+            row.draft = Draft.empty(row.ids.device)
+            if min(max_k, room) > 0:
+                row.ctx.input_ids = row.ids
+                row.draft = check_draft(row.drafter.propose(row.ctx, min(max_k, room)), min(max_k, room), vocab_size,
+                                        type(drafter).__name__)  # fmt: skip
+            row.draft_time = time.perf_counter() - t1
+            row.stats.draft_time += row.draft_time
         t2 = time.perf_counter()
-        k = scheduler.select(draft) if len(draft) else 0
-        if not 0 <= k <= len(draft):
-            raise ValueError(f"{type(scheduler).__name__}.select returned {k}; expected 0..{len(draft)}")
-        draft = draft.truncate(k)
-        t3 = time.perf_counter()
+        ks = scheduler.select_batch([row.draft for row in active]) if drafter is not None else [0] * len(active)
+        for row, k in zip(active, ks):
+            if not 0 <= k <= len(row.draft):
+                raise ValueError(f"{type(scheduler).__name__}.select returned {k}; expected 0..{len(row.draft)}")
+            row.draft = row.draft.truncate(k)
+        schedule_time += time.perf_counter() - t2
 
-        fed = torch.cat([out.ids[:, -1:], draft.tokens.to(out.ids.device)[None]], dim=1)
-        logits = verifier.verify(fed)  # [k + 1, vocab]: the verifier's view after each fed token
-        accepted = emitted = 0
-        for i in range(k + 1):
-            scores = process_logits(processors, out.ids, logits[i])
-            if i == k:  # every draft accepted: the bonus token comes from the verifier alone
-                token, ok = choose(scores), False
-            elif do_sample:
-                q = None if draft.probs is None else draft.probs[i]
-                ok, token = speculative_step(torch.softmax(scores, -1), q, int(draft.tokens[i]), generator)
-            else:
-                ok, token = greedy_step(scores, int(draft.tokens[i]))
-            out.emit(token, scores, logits[i])
-            emitted += 1
-            accepted += ok
-            if out.finished or not ok:
-                break
-        # The cache keeps every committed token but the newest: of the k + 1 fed, keep `emitted`.
-        verifier.rollback(k + 1 - emitted)
-        out.stream(emitted)
+        # Verify: [pending, d_1 .. d_k] for every row in one forward; short rows are padded with
+        # their pending token, whose scores are never read (and whose slots the rollback drops).
+        t3 = time.perf_counter()
+        width = 1 + max(len(row.draft) for row in active)
+        fed = torch.stack([torch.cat([row.ids[0, -1:], row.draft.tokens.to(row.ids.device),
+                                      row.ids[0, -1:].expand(width - 1 - len(row.draft))]) for row in active])  # fmt: skip
+        logits = verifier.verify_rows(fed)  # [rows, width, vocab]: the verifier's view after each fed token
+        drop = []
+        for row, row_logits in zip(active, logits):
+            emitted = _accept(row, row_logits, do_sample, choose, generator)
+            drop.append(width - emitted)  # the cache keeps every committed token but the newest
+        verifier.rollback_rows(drop)
+        verify_time = time.perf_counter() - t3
         t4 = time.perf_counter()
         if drafter is not None:
-            scheduler.update(draft, accepted, t2 - t1, t4 - t3)
-        stats.record(drafted=k, accepted=accepted, emitted=emitted)
-        stats.draft_time += t2 - t1
-        stats.verify_time += t4 - t3
-        stats.schedule_time += (t1 - t0) + (t3 - t2) + (time.perf_counter() - t4)
+            scheduler.update_batch([row.draft for row in active], [row.accepted for row in active],
+                                   [row.draft_time for row in active], verify_time)  # fmt: skip
+        schedule_time += time.perf_counter() - t4
+        for row in active:  # a row's share of the batched forward is its verify cost
+            row.stats.verify_time += verify_time / len(active)
+            row.stats.schedule_time += schedule_time / len(active)
+        active = _drop_finished(verifier, active)
 
     if streamer is not None:
         streamer.end()
-    stats.total_time = time.perf_counter() - start
-    return DecodeResult(out.ids, out.scores, out.logits, stats)
+    total = time.perf_counter() - start
+    if len(rows) == 1:
+        stats = rows[0].stats
+    else:  # steps of every row; times of the call as a whole
+        stats = GenerationStats.combined([row.stats for row in rows])
+        stats.prefill_time = rows[0].stats.prefill_time
+        stats.draft_time, stats.verify_time, stats.schedule_time = (
+            sum(getattr(row.stats, name) for row in rows) for name in ("draft_time", "verify_time", "schedule_time"))
+    stats.total_time = total
+    return DecodeResult([row.ids for row in rows], rows[0].scores, rows[0].logits, stats)
+
+
+def _accept(row: _Row, logits: torch.Tensor, do_sample: bool, choose, generator) -> int:
+    """Run the acceptance rule over one row's verified positions; emit, and return how many tokens it emitted."""
+    draft, k = row.draft, len(row.draft)
+    accepted = emitted = 0
+    for i in range(k + 1):
+        scores = process_logits(row.processors, row.ids, logits[i])
+        if i == k:  # every draft accepted: the bonus token comes from the verifier alone
+            token, ok = choose(scores), False
+        elif do_sample:
+            q = None if draft.probs is None else draft.probs[i]
+            ok, token = speculative_step(torch.softmax(scores, -1), q, int(draft.tokens[i]), generator)
+        else:
+            ok, token = greedy_step(scores, int(draft.tokens[i]))
+        row.emit(token, scores, logits[i])
+        emitted += 1
+        accepted += ok
+        if row.finished or not ok:
+            break
+    row.accepted = accepted
+    row.stream(emitted)
+    row.stats.record(drafted=k, accepted=accepted, emitted=emitted)
+    return emitted
+
+
+def _drop_finished(verifier: Verifier, active: list[_Row]) -> list[_Row]:
+    """The unfinished rows; finished ones leave the cache, so they stop costing work."""
+    keep = [row for row in active if not row.finished]
+    if len(keep) < len(active) and keep:
+        verifier.select_rows([row.ctx.row for row in keep])
+        for b, row in enumerate(keep):
+            row.ctx.row = b
+    return keep

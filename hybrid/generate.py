@@ -7,14 +7,14 @@ tokens, lengths, logits processors, stopping criteria), so a call means exactly 
 
 from __future__ import annotations
 
-import copy
 
 import torch
-from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+from transformers import Cache, GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 from transformers.generation import GenerateDecoderOnlyOutput
 from transformers.generation.configuration_utils import GenerationMode
 
 from drafters.base import Drafter
+from verifiers.cache import foreign_cache_reason
 from hybrid.engine import decode
 from hybrid.stats import GenerationStats
 from schedulers.adaptive import default_scheduler
@@ -73,9 +73,10 @@ def generate(
     `return_dict_in_generate=True` (batch 1), a `GenerateDecoderOnlyOutput` (sequences, scores, logits,
     cache). Greedy output is the verifier's greedy output; sampled output has the verifier's distribution.
 
-    A batch (left-padded, with its `attention_mask`) is decoded row by row, each row exactly as a batch-1
-    call with its padding removed, so every row's output is the batch-1 output; rows that finish early are
-    padded with `pad_token_id`, as `generate` pads them. The rows are not yet run as one batched forward.
+    A batch (left-padded, with its `attention_mask`) runs one verifier forward per step for all unfinished
+    rows; each row drafts, accepts and stops on its own, so its output is what a batch-1 call on the row
+    gives; rows that finish early are padded with `pad_token_id`, as `generate` pads them, and stop costing
+    work.
 
     Args beyond `generate`'s:
         drafter: a `drafters.Drafter` (None: no drafting, plain AR decoding through this engine).
@@ -91,7 +92,7 @@ def generate(
             raise TypeError("pass the prompt once: either input_ids or inputs")
         input_ids = kwargs.pop("inputs")
     call = {name: kwargs.pop(name, None) for name in _CALL_ARGS}
-    _reject_unsupported_kwargs(kwargs)
+    _reject_unsupported_kwargs(model, kwargs)
 
     has_default_max_length = (
         kwargs.get("max_length") is None
@@ -130,8 +131,12 @@ def generate(
         input_ids_length=prompt_len,
     )
     model._validate_generated_length(config, prompt_len, has_default_max_length)
-    if input_ids.shape[0] > 1:
-        return _generate_rows(model, input_ids, attention_mask, config, call, drafter, scheduler, return_stats, generator)
+    batch = input_ids.shape[0]
+    if batch > 1 and call["streamer"] is not None:
+        raise ValueError(f"streamer with batch size {batch}: streamers take one sequence; pass one prompt per call")
+    if batch > 1 and config.return_dict_in_generate:
+        raise ValueError(f"return_dict_in_generate with batch size {batch} is not supported yet: "
+                         "pass one prompt per call for scores, logits and the cache")  # fmt: skip
 
     if drafter is not None and not isinstance(drafter, Drafter):  # before drafter.hidden_layers is read
         raise TypeError(f"drafter must be a drafters.Drafter (or None for plain decoding), got {type(drafter).__name__}")
@@ -144,45 +149,55 @@ def generate(
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
 
-    processors = model._get_logits_processor(
-        generation_config=config,
-        input_ids_seq_length=prompt_len,
-        encoder_input_ids=input_ids,
-        prefix_allowed_tokens_fn=call["prefix_allowed_tokens_fn"],
-        logits_processor=call["logits_processor"] or LogitsProcessorList(),
-        device=input_ids.device,
-        model_kwargs={"attention_mask": attention_mask},
-    )
+    prompts = []  # per row: the prompt [1, n] as generate sees it (left padding included), its pads, its processors
+    for r in range(batch):
+        row_mask = None if attention_mask is None else attention_mask[r : r + 1]
+        allowed = call["prefix_allowed_tokens_fn"]
+        if allowed is not None and batch > 1:  # it is told the row's index in the batch
+            allowed = lambda _, ids, fn=allowed, r=r: fn(r, ids)  # noqa: E731
+        processors = model._get_logits_processor(
+            generation_config=config,
+            input_ids_seq_length=prompt_len,
+            encoder_input_ids=input_ids[r : r + 1],
+            prefix_allowed_tokens_fn=allowed,
+            logits_processor=call["logits_processor"] or LogitsProcessorList(),
+            device=input_ids.device,
+            model_kwargs={"attention_mask": row_mask},
+        )
+        prompts.append((input_ids[r : r + 1], 0 if row_mask is None else int(row_mask[0].argmax()), processors))
     stopping = model._get_stopping_criteria(
         generation_config=config,
         stopping_criteria=call["stopping_criteria"] or StoppingCriteriaList(),
         tokenizer=call["tokenizer"],
     )
+    settings = dict(stopping_criteria=stopping, max_length=config.max_length, do_sample=bool(config.do_sample),
+                    generator=generator, streamer=call["streamer"],
+                    keep_scores=bool(config.return_dict_in_generate and config.output_scores),
+                    keep_logits=bool(config.return_dict_in_generate and config.output_logits))  # fmt: skip
     with torch.inference_mode():
-        result = decode(
-            verifier,
-            drafter,
-            scheduler,
-            input_ids,
-            attention_mask,
-            processors,
-            stopping,
-            max_length=config.max_length,
-            do_sample=bool(config.do_sample),
-            generator=generator,
-            streamer=call["streamer"],
-            keep_scores=bool(config.return_dict_in_generate and config.output_scores),
-            keep_logits=bool(config.return_dict_in_generate and config.output_logits),
-        )
-    output = result.sequences
+        if verifier.batches or batch == 1:
+            result = decode(verifier, drafter, scheduler, prompts, **settings)
+            sequences, stats = result.sequences, result.stats
+        else:  # an attention implementation without per-row masks: one row per forward
+            parts = [decode(verifier, drafter, scheduler, [prompt], **settings) for prompt in prompts]
+            sequences, stats = [part.sequences[0] for part in parts], GenerationStats.combined([p.stats for p in parts])
+    output = _pad_rows(sequences, config._pad_token_tensor)
     if config.return_dict_in_generate:
         output = GenerateDecoderOnlyOutput(
-            sequences=result.sequences, scores=result.scores, logits=result.logits, cache=verifier.cache
+            sequences=output, scores=result.scores, logits=result.logits, cache=verifier.cache.to_dynamic(0)
         )
-    return (output, result.stats) if return_stats else output
+    return (output, stats) if return_stats else output
 
 
-def _reject_unsupported_kwargs(kwargs: dict) -> None:
+def _reject_unsupported_kwargs(model, kwargs: dict) -> None:
+    for name in ("cache", "past_key_values"):
+        if isinstance(kwargs.get(name), Cache):
+            reason = foreign_cache_reason(model, kwargs[name])
+            if reason:
+                raise ValueError(f"{name} was built for another model ({reason}); hybrid.generate builds and owns "
+                                 f"the verifier's cache: drop {name} and pass the whole sequence as input_ids")  # fmt: skip
+            raise ValueError(f"hybrid.generate does not continue from a {name}: it builds and owns the verifier's "
+                             f"cache (prefill included); drop {name} and pass the whole sequence as input_ids")  # fmt: skip
     assistant = sorted(k for k in kwargs if k in _ASSISTANT_ARGS or k.startswith("assistant"))
     if assistant:
         raise TypeError(
@@ -215,37 +230,16 @@ def _check_config(config: GenerationConfig) -> None:
         raise ValueError(f"max_new_tokens={config.max_new_tokens}: ask for at least 1 new token")
 
 
-def _generate_rows(model, input_ids, attention_mask, config, call, drafter, scheduler, return_stats, generator):
-    """A batch, one row at a time: each row unpadded and decoded by the batch-1 path, then re-assembled."""
-    if call["streamer"] is not None:
-        raise ValueError(f"streamer with batch size {input_ids.shape[0]}: streamers take one sequence; "
-                         "pass one prompt per call")  # fmt: skip
-    if config.return_dict_in_generate:
-        raise ValueError(f"return_dict_in_generate with batch size {input_ids.shape[0]} is not supported yet: "
-                         "pass one prompt per call for scores, logits and the cache")  # fmt: skip
-    max_new = config.max_length - input_ids.shape[1]  # generate counts max_length from the padded prompt
-    row_config = copy.deepcopy(config)
-    row_config.max_length, row_config.max_new_tokens = None, max_new
-    if config.min_length:  # likewise min_length: the same number of new tokens for every row
-        row_config.min_length, row_config.min_new_tokens = 0, max(0, config.min_length - input_ids.shape[1])
-    rows, parts = [], []
-    for r in range(input_ids.shape[0]):
-        start = 0 if attention_mask is None else int(attention_mask[r].argmax())  # left padding ends at the first 1
-        extra = {k: v for k, v in call.items() if v is not None and k not in ("attention_mask", "streamer")}
-        if call["prefix_allowed_tokens_fn"] is not None:  # it is told the row's index in the batch
-            extra["prefix_allowed_tokens_fn"] = lambda _, ids, fn=call["prefix_allowed_tokens_fn"], r=r: fn(r, ids)
-        out, stats = generate(model, input_ids[r : r + 1, start:], drafter=drafter, scheduler=scheduler,
-                              return_stats=True, generator=generator, generation_config=row_config, **extra)  # fmt: skip
-        rows.append(out[0, input_ids.shape[1] - start :])
-        parts.append(stats)
-    width = max(len(row) for row in rows)
-    pad = config._pad_token_tensor
-    if pad is None and any(len(row) < width for row in rows):
+def _pad_rows(sequences: list[torch.Tensor], pad: torch.Tensor | None) -> torch.Tensor:
+    """Rows [1, n_b] as one tensor; rows that finished early are padded with `pad_token_id`, as `generate` pads them."""
+    width = max(row.shape[1] for row in sequences)
+    if len(sequences) == 1:
+        return sequences[0]
+    if pad is None and any(row.shape[1] < width for row in sequences):
         raise ValueError("rows finished at different lengths and there is no pad_token_id to fill the shorter ones: "
                          "set pad_token_id (e.g. to the tokenizer's eos_token_id)")  # fmt: skip
-    new = torch.stack([torch.cat([row, row.new_full((width - len(row),), int(pad) if pad is not None else 0)]) for row in rows])
-    output = torch.cat([input_ids, new], dim=1)
-    return (output, GenerationStats.combined(parts)) if return_stats else output
+    fill = 0 if pad is None else int(pad)
+    return torch.cat([torch.cat([row, row.new_full((1, width - row.shape[1]), fill)], dim=1) for row in sequences])
 
 
 def _check_mask(mask: torch.Tensor) -> None:

@@ -123,6 +123,36 @@ class CostAwareScheduler(_Calibrated):
         self.verify_costs.observe(len(draft) + 1, verify_time)
         self.draft_cost += 0.05 * (draft_time - self.draft_cost)
 
+    def select_batch(self, drafts: list[Draft]) -> list[int]:
+        """One width for the batch, chosen for expected tokens per second over all rows; each row verifies
+        its drafts up to it (a shorter row is padded in the forward anyway, so its drafts cost nothing)."""
+        if len(drafts) == 1:
+            return [self.select(drafts[0])]
+        rate = self.expected_batch_rates(drafts)
+        best = max(range(len(rate)), key=rate.__getitem__)
+        if best == 0 and len(rate) > 1:  # as in `select`: keep learning
+            self._declined += 1
+            if self._declined % 4 == 0:
+                best = max(range(1, len(rate)), key=rate.__getitem__)
+        return [min(best, len(draft)) for draft in drafts]
+
+    def update_batch(self, drafts: list[Draft], accepted: list[int], draft_times: list[float], verify_time: float) -> None:
+        if len(drafts) == 1:
+            return self.update(drafts[0], accepted[0], draft_times[0], verify_time)
+        for draft, kept, draft_time in zip(drafts, accepted, draft_times):
+            self.acceptance.update(draft, kept)
+            self.draft_cost += 0.05 * (draft_time - self.draft_cost)
+        self.verify_costs.observe(len(drafts) * (1 + max(len(d) for d in drafts)), verify_time)
+
+    def expected_batch_rates(self, drafts: list[Draft]) -> list[float]:
+        """Expected emitted tokens per second of the whole batch for widths w = 0..max draft: the rows'
+        E(min(w, k_r)) + 1 over their draft costs plus one forward of rows x (w + 1) tokens."""
+        expected = [expected_accepted(self.acceptance.predict(draft)) for draft in drafts]
+        rows = len(drafts)
+        return [(sum(e[min(w, len(e) - 1)] + 1 for e in expected))
+                / (rows * self.draft_cost + self.verify_costs.cost(rows * (w + 1)))
+                for w in range(max(len(d) for d in drafts) + 1)]  # fmt: skip
+
     def expected_rates(self, draft: Draft) -> list[float]:
         """The objective for k = 0..len(draft): expected emitted tokens per second."""
         expected = expected_accepted(self.acceptance.predict(draft))

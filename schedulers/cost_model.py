@@ -97,5 +97,8 @@ class VerifyCostModel:
         for (m0, t0), (m1, t1) in zip(zip(sizes, table), zip(sizes[1:], table[1:])):
             if m <= m1:
                 return t0 + (t1 - t0) * (m - m0) / (m1 - m0)
-        slope = (table[-1] - table[-2]) / (sizes[-1] - sizes[-2]) if len(sizes) > 1 else 0.0
-        return table[-1] + slope * (m - sizes[-1])
+        # Past the table (a batch feeds rows x width tokens): the mean slope of its upper half, steadier
+        # than the last two noisy points.
+        half = min(len(sizes) // 2, len(sizes) - 2)
+        slope = (table[-1] - table[half]) / (sizes[-1] - sizes[half]) if len(sizes) > 1 else 0.0
+        return table[-1] + max(slope, 0.0) * (m - sizes[-1])

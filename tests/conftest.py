@@ -1,5 +1,12 @@
+import os
 import sys
 from pathlib import Path
+
+import torch
+
+# experiments/gpu_check.sh runs the property tests on a GPU: every tensor and model a test makes goes there.
+if os.environ.get("HYBRID_TEST_DEVICE"):
+    torch.set_default_device(os.environ["HYBRID_TEST_DEVICE"])
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests import `strategies` directly
 

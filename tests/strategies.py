@@ -67,7 +67,7 @@ class AdversarialDrafter(Drafter):
 
     def __init__(self, vocab_size: int, eos_token_id: int | None, seed: int):
         self.vocab_size, self.eos = vocab_size, eos_token_id
-        self.rng = torch.Generator().manual_seed(seed)  # not reset per call: each call sees new garbage
+        self.rng = torch.Generator(torch.get_default_device()).manual_seed(seed)  # not reset per call: each call sees new garbage
 
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
         n = int(torch.randint(0, max_tokens + 1, (), generator=self.rng))
@@ -91,7 +91,7 @@ class AdversarialDrafter(Drafter):
 
 def perturbed_copy(model, scale: float, seed: int):
     twin = copy.deepcopy(model)
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(torch.get_default_device()).manual_seed(seed)
     with torch.no_grad():
         for param in twin.parameters():
             param.add_(torch.randn(param.shape, generator=gen) * scale)

@@ -361,7 +361,7 @@ UNSUPPORTED = {
     "prompt_lookup_num_tokens": ({"prompt_lookup_num_tokens": 3}, ValueError, r"prompt_lookup_num_tokens=3.*PromptLookupDrafter"),
     "output_attentions": ({"output_attentions": True}, ValueError, r"output_attentions=True"),
     "output_hidden_states": ({"output_hidden_states": True}, ValueError, r"output_hidden_states=True"),
-    "past_key_values": ({"past_key_values": "cache"}, TypeError, r"does not support argument\(s\) \['past_key_values'\]"),
+    "past_key_values": ({"past_key_values": "cache"}, ValueError, r"does not continue from a past_key_values.*drop past_key_values"),
     "synced_gpus": ({"synced_gpus": True}, TypeError, r"does not support argument\(s\) \['synced_gpus'\]"),
     # Greedy: `generate`'s own config validation names it; sampling: hybrid's check does.
     "num_return_sequences": ({"num_return_sequences": 2}, ValueError, r"num_return_sequences.*2"),

@@ -34,6 +34,27 @@ def test_cost_aware_picks_the_rate_maximising_k():
     assert s.select(d) == max(range(17), key=rates.__getitem__) == 6
 
 
+def test_cost_aware_batch_picks_one_width_for_all_rows():
+    """Rows of 16 and 2 drafts, a_i = 0.9; one forward of m tokens costs 1 + 0.25 (m - 1). Width w emits
+    (1 + E(w)) + (1 + E(min(w, 2))) tokens, E(w) = 0.9 + ... + 0.9^w, in 1 + 0.25 (2(w + 1) - 1) s:
+    2.41 tokens/s at w = 2, 2.17 at 1, 2.24 at 3. Alone, the long row would verify 6 (test above)."""
+    s = CostAwareScheduler(costs={1: 1.0, 17: 5.0})
+    s.reset(PromptLookupDrafter(max_draft_len=16))
+    s.acceptance.tried[:] = 1e6
+    s.acceptance.accepted[:] = 0.9e6
+    rates = s.expected_batch_rates([draft(16), draft(2)])
+    assert rates[:4] == pytest.approx([1.6, 2.171, 2.409, 2.236], abs=1e-3)
+    assert s.select_batch([draft(16), draft(2)]) == [2, 2]
+    # A row with nothing drafted is still padded to the width: (2 + E(w)) / (1 + 0.25 (2w + 1)) peaks at w = 1.
+    assert s.select_batch([draft(16), draft(0)]) == [1, 0]
+    assert s.select_batch([draft(16)]) == [s.select(draft(16))] == [6]  # batch 1: the batch-1 rule
+
+
+def test_verify_cost_extrapolates_past_the_table_with_the_upper_half_slope():
+    costs = VerifyCostModel({1: 1.0, 2: 3.0, 3: 2.0, 4: 2.5, 5: 3.0})  # upper half (3..5): slope 0.5
+    assert costs.cost(9) == pytest.approx(3.0 + 0.5 * 4)
+
+
 def test_cost_aware_declines_hopeless_drafts_but_keeps_probing():
     s = CostAwareScheduler(costs={1: 1.0, 17: 5.0})
     s.reset(PromptLookupDrafter(max_draft_len=16))

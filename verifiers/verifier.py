@@ -1,15 +1,18 @@
 """The AR verifier: one prefill, then k drafted tokens + the bonus position scored in ONE forward.
 
-The cache holds every committed token except the newest one (the "pending" token the verifier
-has just chosen and not yet run). A verify step feeds `[pending, d_1 .. d_k]`, which yields the
-verifier's distribution after each of them; after acceptance, `rollback` drops the KV of the
-rejected drafts. Rollback is a crop: nothing is recomputed.
+The cache (`verifiers.cache.SharedCache`) holds every committed token except the newest one (the
+"pending" token the verifier has just chosen and not yet run). A verify step feeds
+`[pending, d_1 .. d_k]` for every row, which yields the verifier's distribution after each of them;
+after acceptance, `rollback` forgets the rejected drafts by moving each row's length back. Nothing
+is recomputed.
 """
 
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache, GenerationMixin, PreTrainedModel
+from transformers import GenerationMixin, PreTrainedModel
+
+from verifiers.cache import MASKED_ATTENTION, SharedCache, attention_pattern
 
 
 def check_causal_lm(model, role: str = "verifier") -> None:
@@ -27,7 +30,7 @@ def check_causal_lm(model, role: str = "verifier") -> None:
 
 
 class Verifier:
-    """Wraps any `AutoModelForCausalLM` for draft verification (batch size 1).
+    """Wraps any `AutoModelForCausalLM` for draft verification, one row per sequence of a batch.
 
     Args:
         model: the verifier.
@@ -38,90 +41,108 @@ class Verifier:
 
     def __init__(self, model, hidden_layers: tuple[int, ...] = (), role: str = "verifier"):
         check_causal_lm(model, role)
-        num_states = model.config.get_text_config().num_hidden_layers + 1
+        text = model.config.get_text_config()
+        num_states = text.num_hidden_layers + 1
         bad = [i for i in hidden_layers if not -num_states <= i < num_states]
         if bad:
             raise ValueError(f"hidden_layers {bad} out of range for a model with {num_states - 1} layers")
+        if getattr(text, "layer_types", None) and any("linear" in t or "mamba" in t for t in text.layer_types):
+            raise ValueError(
+                f"{type(model).__name__} keeps state that cannot be rolled back by cropping "
+                "(linear attention / recurrent layers): speculative decoding needs a croppable KV cache"
+            )
+        attention_pattern(text)  # raises for attention kinds the cache cannot serve
         self.model = model
         self.hidden_layers = tuple(hidden_layers)
+        self.hidden_width = len(self.hidden_layers) * text.hidden_size
         self._supports_logits_to_keep = model._supports_logits_to_keep()
-        self.cache: DynamicCache | None = None
-        self.num_cached = 0  # tokens whose keys/values are in the cache
-        self._attention_mask: torch.Tensor | None = None  # [1, num_cached]; None when the prompt has no padding
-        self._next_position = 0
-        self._hidden: torch.Tensor | None = None  # [1, capacity, len(hidden_layers) * hidden], rows < num_cached valid
+        # Rows of different lengths need per-row masks; other implementations run one row per forward.
+        self.batches = model.config._attn_implementation in MASKED_ATTENTION
+        self.max_positions = getattr(text, "max_position_embeddings", None)
+        self.cache: SharedCache | None = None
 
     @property
     def vocab_size(self) -> int:
         return self.model.get_output_embeddings().weight.shape[0]
 
-    @property
-    def next_position(self) -> int:
-        """Position id the next fed token gets."""
-        return self._next_position
-
-    def new_cache(self) -> DynamicCache:
-        cache = DynamicCache(config=self.model.config)
-        if not cache.is_croppable:
-            raise ValueError(
-                f"{type(self.model).__name__} keeps state that cannot be rolled back by cropping "
-                "(linear attention / recurrent layers): speculative decoding needs a croppable KV cache"
-            )
-        # Sliding-window layers otherwise drop states a later rollback needs (kept until the next crop).
-        cache.activate_past_recording()
-        return cache
+    # -- a batch of rows ------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, capacity: int) -> torch.Tensor:
-        """Run the prompt; return the float32 logits after its last token, shape [vocab].
+    def prefill_rows(self, rows: list[torch.Tensor], capacity: int) -> torch.Tensor:
+        """Run each prompt (1-D, no padding); return float32 logits after each one's last token [rows, vocab].
 
-        `capacity` bounds the sequence length (prompt + new tokens) so buffers are allocated once.
+        `capacity` bounds a row's length (prompt + new tokens + draft) so buffers are allocated once.
         """
-        self.cache = self.new_cache()
-        has_padding = attention_mask is not None and not bool((attention_mask == 1).all())
-        if has_padding:
-            # As `generate` does: pads sit at position 0 and real tokens count from 0.
-            position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
-            self._attention_mask = attention_mask.long()
-        else:
-            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
-            self._attention_mask = None
-        self.num_cached = 0
-        self._hidden = None
-        if self.hidden_layers:
-            width = len(self.hidden_layers) * self.model.config.get_text_config().hidden_size
-            self._hidden = torch.zeros(1, capacity, width, dtype=self.model.dtype, device=self.model.device)
-        logits = self._forward(input_ids, position_ids, logits_to_keep=1)[-1]
-        self.cache.crop(0)  # trims sliding-window layers back to their window
-        return logits
+        if len(rows) > 1 and not self.batches:
+            raise ValueError(f"attn_implementation={self.model.config._attn_implementation!r} takes no per-row "
+                             f"masks: verify one row per call (or load the model with attn_implementation='sdpa')")  # fmt: skip
+        self.cache = SharedCache(self.model, len(rows), capacity, self.hidden_width)
+        lengths = [row.shape[0] for row in rows]
+        width = max(lengths)
+        # Right-padded: a real token only sees earlier slots, so the padding needs no mask; its slots lie
+        # past the row's length and the row's first verify overwrites them.
+        tokens = torch.stack([torch.cat([row, row.new_zeros(width - row.shape[0])]) for row in rows])
+        last = torch.tensor(lengths, device=tokens.device) - 1
+        keep = torch.unique(last)
+        logits = self._forward(tokens, logits_to_keep=keep if self._supports_logits_to_keep else 0)
+        column = torch.searchsorted(keep, last) if self._supports_logits_to_keep else last
+        self.cache.rollback([width - n for n in lengths])
+        return logits[torch.arange(len(rows)), column]
 
     @torch.inference_mode()
+    def verify_rows(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Feed tokens [rows, m] after each row's cache; return float32 logits [rows, m, vocab]:
+        [b, i] is the verifier's view after row b's tokens[b, :i+1]."""
+        return self._forward(tokens, logits_to_keep=0)
+
+    def rollback_rows(self, drop: list[int]) -> None:
+        """Forget the last drop[b] cached tokens of row b (rejected drafts)."""
+        self.cache.rollback(drop)
+
+    def select_rows(self, rows: list[int]) -> None:
+        """Keep only `rows` of the batch, in this order."""
+        self.cache.select_rows(rows)
+
+    def length(self, row: int = 0) -> int:
+        """Tokens cached for `row`: also the position id its next fed token gets."""
+        return self.cache.lengths[row]
+
+    def hidden_states(self, row: int = 0) -> torch.Tensor | None:
+        """States of `hidden_layers` for row `row`'s cached tokens: [1, length(row), len(hidden_layers) * hidden]."""
+        return None if self.cache is None else self.cache.hidden_states(row)
+
+    # -- batch 1 ----------------------------------------------------------------------------------------
+
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, capacity: int) -> torch.Tensor:
+        """One prompt [1, n] (left padding, if any, marked by `attention_mask`); logits after it [vocab]."""
+        start = 0 if attention_mask is None else int(attention_mask[0].argmax())
+        return self.prefill_rows([input_ids[0, start:]], capacity)[0]
+
     def verify(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed `tokens` [1, m] after the cache; return float32 logits [m, vocab], row i = after tokens[:, :i+1]."""
-        m = tokens.shape[1]
-        position_ids = torch.arange(self._next_position, self._next_position + m, device=tokens.device)[None]
-        return self._forward(tokens, position_ids, logits_to_keep=0)
+        return self.verify_rows(tokens)[0]
 
     def rollback(self, num_tokens: int) -> None:
-        """Forget the last `num_tokens` cached tokens (rejected drafts)."""
-        if not 0 <= num_tokens <= self.num_cached:
-            raise ValueError(f"cannot roll back {num_tokens} of {self.num_cached} cached tokens")
-        self.cache.crop(-num_tokens)  # crop(0) also trims sliding-window layers back to their window
-        self.num_cached -= num_tokens
-        self._next_position -= num_tokens
-        if self._attention_mask is not None:
-            self._attention_mask = self._attention_mask[:, : self.num_cached]
+        self.rollback_rows([num_tokens])
 
-    def hidden_states(self) -> torch.Tensor | None:
-        """States of `hidden_layers` for every cached token: [1, num_cached, len(hidden_layers) * hidden]."""
-        return None if self._hidden is None else self._hidden[:, : self.num_cached]
+    @property
+    def num_cached(self) -> int:
+        return self.length(0)
 
-    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
+    @property
+    def next_position(self) -> int:
+        return self.length(0)
+
+    # -- the forward --------------------------------------------------------------------------------------
+
+    def _forward(self, input_ids: torch.Tensor, logits_to_keep) -> torch.Tensor:
         m = input_ids.shape[1]
-        mask = None
-        if self._attention_mask is not None:
-            ones = self._attention_mask.new_ones(1, m)
-            mask = torch.cat([self._attention_mask, ones], dim=1) if self.num_cached else self._attention_mask
+        position_ids = self.cache.begin(m)
+        if self.max_positions is not None:  # only a short row's padding can reach past the context; its
+            position_ids = position_ids.clamp(max=self.max_positions - 1)  # outputs are never read
+        # Aligned rows (always at batch 1): the model's own causal mask is right, as the cache ends at
+        # length + m. Uneven rows: per-row masks from the lengths.
+        mask = None if self.cache.aligned else self.cache.attention_mask(m)
         extra = {"logits_to_keep": logits_to_keep} if self._supports_logits_to_keep else {}
         out = self.model(
             input_ids=input_ids,
@@ -132,11 +153,8 @@ class Verifier:
             output_hidden_states=bool(self.hidden_layers),
             **extra,
         )
-        if self._hidden is not None:
-            states = torch.cat([out.hidden_states[i] for i in self.hidden_layers], dim=-1)
-            self._hidden[:, self.num_cached : self.num_cached + m] = states
-        if mask is not None:
-            self._attention_mask = mask
-        self.num_cached += m
-        self._next_position = int(position_ids[0, -1]) + 1
-        return out.logits[0].float()
+        hidden = None
+        if self.hidden_layers:  # gathered where the logits are: the last layer's device under device_map="auto"
+            hidden = torch.cat([out.hidden_states[i].to(out.logits.device) for i in self.hidden_layers], dim=-1)
+        self.cache.commit(m, hidden)
+        return out.logits.float()

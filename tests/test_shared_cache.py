@@ -1,0 +1,131 @@
+"""The shared cache: rollback is exact, rows share forwards and leave them when done, bad caches are refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from transformers import DynamicCache
+
+import hybrid
+import verifiers.cache as cache_module
+import verifiers.verifier as verifier_module
+from drafters import PromptLookupDrafter
+from verifiers.cache import CacheMemoryError, SharedCache
+from strategies import tiny_model, verifiers
+from verifiers import Verifier
+
+PROPERTY = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@PROPERTY
+@given(data=st.data())
+def test_rollback_leaves_every_row_equal_to_a_fresh_prefill(data):
+    """Random verifies of uneven width and random per-row rollbacks: each row's keys, values and hidden
+    states then equal a fresh forward over that row's committed tokens, and so do its next logits."""
+    model = data.draw(verifiers(), label="verifier")
+    vocab = model.config.vocab_size
+    token = st.integers(0, vocab - 1)
+    rows = [torch.tensor(data.draw(st.lists(token, min_size=1, max_size=8), label="prompt"))
+            for _ in range(data.draw(st.integers(1, 3), label="rows"))]  # fmt: skip
+    verifier = Verifier(model, hidden_layers=(0, -1))
+    verifier.prefill_rows(rows, capacity=4)  # small on purpose: the cache must grow
+    committed = [row.clone() for row in rows]
+    for _ in range(data.draw(st.integers(1, 4), label="steps")):
+        width = data.draw(st.integers(1, 5), label="fed")
+        fed = torch.tensor([data.draw(st.lists(token, min_size=width, max_size=width)) for _ in rows])
+        verifier.verify_rows(fed)
+        keep = [data.draw(st.integers(1, width), label="kept") for _ in rows]
+        verifier.rollback_rows([width - k for k in keep])
+        committed = [torch.cat([c, f[:k]]) for c, f, k in zip(committed, fed, keep)]
+
+    probe = torch.tensor([[data.draw(token)] for _ in rows])
+    logits = verifier.verify_rows(probe)[:, -1]
+    for b, seq in enumerate(committed):
+        fresh = DynamicCache()  # no config: every layer keeps all its tokens, as the shared cache does
+        with torch.inference_mode():
+            out = model(torch.cat([seq, probe[b]])[None], cache=fresh, use_cache=True, output_hidden_states=True)
+        n = seq.shape[0]
+        for i, layer in enumerate(verifier.cache.layers):
+            for name in ("keys", "values"):
+                mine, theirs = getattr(layer, name)[b, :, :n], getattr(fresh.layers[i], name)[0, :, :n]
+                torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=1e-4, msg=f"row {b} layer {i} {name}")
+        states = torch.cat([out.hidden_states[0], out.hidden_states[-1]], dim=-1)[0, :n]
+        torch.testing.assert_close(verifier.hidden_states(b)[0, :n], states, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(logits[b], out.logits[0, -1].float(), atol=1e-4, rtol=1e-4)
+
+
+@PROPERTY
+@given(data=st.data())
+def test_finished_rows_stop_costing_work(data):
+    """Every row is in exactly as many verifier forwards as it took steps: a finished row is never fed again."""
+    model = data.draw(verifiers(), label="verifier")
+    vocab = model.config.vocab_size
+    lengths = data.draw(st.lists(st.integers(1, 8), min_size=2, max_size=4), label="prompt lengths")
+    width = max(lengths)
+    input_ids = torch.tensor([[0] * (width - n) + data.draw(st.lists(st.integers(1, vocab - 1), min_size=n, max_size=n))
+                              for n in lengths])  # fmt: skip
+    mask = (torch.arange(width)[None] >= width - torch.tensor(lengths)[:, None]).long()
+    eos = data.draw(st.integers(1, vocab - 1), label="eos")  # rows stop at different steps
+    fed_rows = []
+
+    def count(_, args, kwargs):  # the verifier's forwards only (the default scheduler also probes the model)
+        if isinstance(kwargs.get("cache"), SharedCache):
+            fed_rows.append(kwargs["input_ids"].shape[0])
+
+    hook = model.register_forward_pre_hook(count, with_kwargs=True)
+    try:
+        _, stats = hybrid.generate(model, input_ids, attention_mask=mask, drafter=PromptLookupDrafter(),
+                                   max_new_tokens=data.draw(st.integers(1, 16)), eos_token_id=eos, pad_token_id=0,
+                                   do_sample=False, return_stats=True)  # fmt: skip
+    finally:
+        hook.remove()
+    assert fed_rows[0] == len(lengths), "one prefill for the whole batch"
+    assert sum(fed_rows) == stats.verifier_forwards, (fed_rows, stats.verifier_forwards)
+    assert fed_rows == sorted(fed_rows, reverse=True), "the batch only ever shrinks"
+
+
+def test_without_per_row_masks_rows_run_one_at_a_time(monkeypatch):
+    """An attention implementation that takes no per-row masks (flash_attention_2) decodes row by row,
+    with the same output as the batched path."""
+    model = tiny_model("llama", 48, 2, seed=3)
+    input_ids = torch.tensor([[0, 0, 5, 6, 7], [1, 2, 3, 4, 5]])
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    kwargs = dict(attention_mask=mask, drafter=PromptLookupDrafter(), max_new_tokens=12, do_sample=False, pad_token_id=0)
+    batched = hybrid.generate(model, input_ids, **kwargs)
+    monkeypatch.setattr(verifier_module, "MASKED_ATTENTION", ())
+    assert not Verifier(model).batches
+    assert torch.equal(hybrid.generate(model, input_ids, **kwargs), batched)
+
+
+def test_batch_that_does_not_fit_names_the_batch_that_does(monkeypatch):
+    model = tiny_model("llama", 48, 2, seed=0)
+    per_row = cache_module.bytes_per_row(model, capacity=5 + 20 + PromptLookupDrafter().max_draft_len + 1)
+    monkeypatch.setattr(cache_module, "free_memory_bytes", lambda device: 3 * per_row + 1)
+    prompts = torch.randint(1, 48, (5, 5))
+    with pytest.raises(CacheMemoryError, match=r"batch of 5 rows.*pass at most 3 rows per call"):
+        hybrid.generate(model, prompts, drafter=PromptLookupDrafter(), max_new_tokens=20, do_sample=False)
+    assert hybrid.generate(model, prompts[:3], drafter=PromptLookupDrafter(), max_new_tokens=20, do_sample=False).shape == (3, 25)
+    monkeypatch.setattr(cache_module, "free_memory_bytes", lambda device: per_row // 2)
+    with pytest.raises(CacheMemoryError, match=r"even one row does not fit; lower max_new_tokens"):
+        hybrid.generate(model, prompts[:1], drafter=PromptLookupDrafter(), max_new_tokens=20, do_sample=False)
+
+
+def test_cache_from_another_model_is_refused():
+    model = tiny_model("llama", 48, 2, seed=0)  # 2 layers of 2 key/value heads of size 8
+    foreign = DynamicCache()
+    with torch.inference_mode():
+        tiny_model("llama", 48, 1, seed=1)(torch.tensor([[1, 2, 3]]), cache=foreign, use_cache=True)
+    with pytest.raises(ValueError, match=r"past_key_values was built for another model \(it has 1 layers, LlamaForCausalLM has 2\)"):
+        hybrid.generate(model, torch.tensor([[1, 2, 3, 4]]), drafter=None, past_key_values=foreign, max_new_tokens=2)
+    wide = DynamicCache()
+    wide.update(torch.zeros(1, 4, 3, 16), torch.zeros(1, 4, 3, 16), 0)
+    wide.update(torch.zeros(1, 4, 3, 16), torch.zeros(1, 4, 3, 16), 1)
+    with pytest.raises(ValueError, match=r"cache was built for another model \(its layer 0 holds 4 key/value heads of size 16"):
+        hybrid.generate(model, torch.tensor([[1, 2, 3, 4]]), drafter=None, cache=wide, max_new_tokens=2)
+    own = DynamicCache()
+    with torch.inference_mode():
+        model(torch.tensor([[1, 2, 3]]), cache=own, use_cache=True)
+    with pytest.raises(ValueError, match=r"does not continue from a past_key_values.*pass the whole sequence as input_ids"):
+        hybrid.generate(model, torch.tensor([[1, 2, 3, 4]]), drafter=None, past_key_values=own, max_new_tokens=2)

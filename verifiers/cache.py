@@ -1,0 +1,286 @@
+"""One cache for the verifier and the drafter: preallocated, position-indexed, one length per row.
+
+Row b's token at position p lives in slot p of every layer; prompts enter without their left padding,
+so a slot index is a position. A forward writes its q tokens at slots `lengths[b] .. lengths[b]+q-1`
+of each row and attends through a mask built from the lengths, so rows of different lengths share one
+batched forward. **Rollback** is moving a row's length back (as in gpt-fast): nothing is copied or
+recomputed, the rejected drafts' slots are overwritten by the next forward. The verifier's hidden
+states that a drafter conditions on are kept the same way, so they roll back with the keys/values.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+# Attention implementations that take the 4D additive masks built here. Others (flash_attention_2)
+# build their own causal mask, which is right only when every row has the same length.
+MASKED_ATTENTION = ("eager", "sdpa")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+class CacheMemoryError(MemoryError):
+    """The cache for this batch does not fit: the message names the batch size that does."""
+
+
+class _RowLayer(CacheLayerMixin):
+    """One layer's keys/values [batch, kv_heads, capacity, head_dim]; writes where its `SharedCache` says."""
+
+    is_croppable = True
+    is_sliding = False  # every slot is kept; sliding windows are applied by the mask
+
+    def __init__(self, owner: SharedCache):
+        super().__init__()
+        self.owner = owner
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        rows, heads = key_states.shape[:2]
+        self.device = key_states.device  # with device_map="auto", the device of this layer
+        capacity = self.owner.capacity
+        self.keys = self.owner.allocate((rows, heads, capacity, key_states.shape[-1]), key_states.dtype, self.device)
+        self.values = self.owner.allocate((rows, heads, capacity, value_states.shape[-1]), value_states.dtype, self.device)
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if self.keys.shape[2] < self.owner.capacity:
+            self.keys, self.values = self.owner.grow(self.keys, 2), self.owner.grow(self.values, 2)
+        self.owner.write(self.keys, key_states, dim=2)
+        self.owner.write(self.values, value_states, dim=2)
+        end = self.owner.end
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        # Only read by a model that builds its own mask, i.e. when all rows have one length.
+        return self.owner.lengths[0] + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.owner.lengths[0] if self.owner.lengths else 0
+
+    def get_max_length(self) -> int:
+        return self.owner.capacity
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.is_initialized:
+            indices = indices.to(self.keys.device)
+            self.keys, self.values = self.keys[indices], self.values[indices]
+
+
+class SharedCache(Cache):
+    """The verifier's keys/values for every row, plus the verifier hidden states a drafter reads.
+
+    Args:
+        model: the verifier (its config gives the layers and attention pattern).
+        batch_size: rows.
+        capacity: slots per row, i.e. the longest sequence (prompt + new tokens + a draft) it will hold.
+            Buffers are allocated once at this size; a longer sequence grows them (a copy), never per step.
+        hidden_width: width of the kept hidden states per token (0: none kept).
+    """
+
+    def __init__(self, model, batch_size: int, capacity: int, hidden_width: int = 0):
+        text = model.config.get_text_config()
+        super().__init__(layers=[_RowLayer(self) for _ in range(text.num_hidden_layers)])
+        self.capacity = max(int(capacity), 1)
+        self.lengths = [0] * batch_size  # tokens cached per row
+        self.device, self.dtype, self.config = model.device, model.dtype, model.config
+        self.layer_types = attention_pattern(text)
+        self.window = getattr(text, "sliding_window", None)
+        self.owner_fingerprint = cache_fingerprint(model)
+        check_fits(model, batch_size, self.capacity, hidden_width)
+        self.hidden = None if not hidden_width else self.allocate((batch_size, self.capacity, hidden_width), model.dtype)
+        self._write_index: torch.Tensor | None = None  # [rows, q] slots of the forward in flight
+        self._write_start: int | None = None  # their common first slot, when every row starts at the same one
+        self.end = 0  # slots attention reads this forward: max(lengths) + q
+
+    # -- memory -------------------------------------------------------------------------------------
+
+    def allocate(self, shape: tuple[int, ...], dtype: torch.dtype, device=None) -> torch.Tensor:
+        try:
+            return torch.zeros(shape, dtype=dtype, device=self.device if device is None else device)
+        except (torch.OutOfMemoryError, RuntimeError) as error:
+            if isinstance(error, RuntimeError) and "alloc" not in str(error).lower():
+                raise
+            raise CacheMemoryError(f"allocating the cache ({shape_bytes(shape, dtype) / 2**20:.0f} MiB for "
+                                   f"{shape[0]} rows) failed: {error}. Pass fewer rows per call") from error  # fmt: skip
+
+    def grow(self, buffer: torch.Tensor, dim: int) -> torch.Tensor:
+        """`buffer` with `dim` widened to the current capacity, contents kept."""
+        shape = list(buffer.shape)
+        shape[dim] = self.capacity
+        bigger = self.allocate(tuple(shape), buffer.dtype, buffer.device)
+        bigger.narrow(dim, 0, buffer.shape[dim]).copy_(buffer)
+        return bigger
+
+    def reserve(self, slots: int) -> None:
+        """Make room for `slots` per row (geometric growth, so a long generation copies O(log n) times)."""
+        if slots > self.capacity:
+            self.capacity = max(slots, 2 * self.capacity)
+            if self.hidden is not None:
+                self.hidden = self.grow(self.hidden, 1)
+
+    # -- one forward: where it writes, what it may see -------------------------------------------------
+
+    def begin(self, q: int) -> torch.Tensor:
+        """Prepare a forward of q tokens per row; return their position ids [rows, q]."""
+        self.reserve(max(self.lengths) + q)
+        starts = torch.tensor(self.lengths, device=self.device)
+        self._write_index = starts[:, None] + torch.arange(q, device=self.device)
+        self._write_start = self.lengths[0] if len(set(self.lengths)) == 1 else None
+        self.end = max(self.lengths) + q
+        return self._write_index
+
+    @property
+    def aligned(self) -> bool:
+        """Whether the forward in flight starts at the same slot in every row."""
+        return self._write_start is not None
+
+    def write(self, buffer: torch.Tensor, states: torch.Tensor, dim: int) -> None:
+        """Write a forward's states [rows, ..., q, ...] (q on `dim`) into `buffer` at each row's slots."""
+        q = states.shape[dim]
+        if self._write_start is not None:  # all rows aligned (always at batch 1): a plain slice copy
+            buffer.narrow(dim, self._write_start, q).copy_(states)  # copy_ moves device and dtype
+            return
+        shape = [1] * states.dim()
+        shape[0], shape[dim] = states.shape[0], q
+        index = self._write_index.to(buffer.device).view(shape).expand_as(states)
+        buffer.scatter_(dim, index, states.to(buffer.device, buffer.dtype))
+
+    def attention_mask(self, q: int):
+        """Additive masks [rows, 1, q, end] for the forward `begin(q)` prepared, one per layer type in use.
+
+        Query i of row b sits at position lengths[b] + i and sees slots 0 .. lengths[b] + i (within the
+        sliding window for sliding layers); slots past a row's length hold stale drafts and stay hidden.
+        """
+        keys = torch.arange(self.end, device=self.device)
+        queries = self._write_index[:, :, None]  # [rows, q, 1]
+        visible = keys <= queries
+        masks = {}
+        for kind in set(self.layer_types):
+            seen = visible & (keys > queries - self.window) if kind == "sliding_attention" else visible
+            masks[kind] = torch.zeros(seen.shape, dtype=self.dtype, device=self.device).masked_fill(
+                ~seen, torch.finfo(self.dtype).min)[:, None]  # fmt: skip
+        return next(iter(masks.values())) if len(masks) == 1 else masks
+
+    def commit(self, q: int, hidden: torch.Tensor | None = None) -> None:
+        """After the forward: every row now holds its q fed tokens (rollback drops the rejected ones)."""
+        if hidden is not None and self.hidden is not None:
+            self.write(self.hidden, hidden, dim=1)
+        self.lengths = [n + q for n in self.lengths]
+        self._write_index, self._write_start = None, None
+
+    # -- rollback and finished rows ------------------------------------------------------------------
+
+    def rollback(self, drop: list[int]) -> None:
+        """Forget the last drop[b] tokens of row b (rejected drafts): the lengths move back, nothing else."""
+        if len(drop) != len(self.lengths) or any(not 0 <= d <= n for d, n in zip(drop, self.lengths)):
+            raise ValueError(f"cannot roll back {drop} tokens of rows holding {self.lengths}")
+        self.lengths = [n - d for n, d in zip(self.lengths, drop)]
+
+    def select_rows(self, rows: list[int]) -> None:
+        """Keep only `rows` (in this order), e.g. drop finished ones so they stop costing work."""
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        for layer in self.layers:
+            layer.batch_select_indices(index)
+        if self.hidden is not None:
+            self.hidden = self.hidden[index]
+        self.lengths = [self.lengths[r] for r in rows]
+
+    # -- reading -------------------------------------------------------------------------------------
+
+    def hidden_states(self, row: int) -> torch.Tensor | None:
+        """Kept hidden states of row `row`'s cached tokens: [1, lengths[row], width]."""
+        return None if self.hidden is None else self.hidden[row : row + 1, : self.lengths[row]]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.lengths[0] if self.lengths else 0
+
+    def to_dynamic(self, row: int = 0):
+        """A transformers `DynamicCache` holding row `row`'s cached tokens, to continue with `model.generate`."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.config)  # as `generate` builds it (sliding layers keep their window)
+        for i, layer in enumerate(self.layers):
+            n = self.lengths[row]
+            cache.update(layer.keys[row : row + 1, :, :n].clone(), layer.values[row : row + 1, :, :n].clone(), i)
+        return cache
+
+
+def attention_pattern(text_config) -> list[str]:
+    """Each layer's attention kind; raises for kinds a position-indexed cache cannot serve."""
+    n = text_config.num_hidden_layers
+    window = getattr(text_config, "sliding_window", None)
+    types = list(getattr(text_config, "layer_types", None) or ["sliding_attention" if window else "full_attention"] * n)
+    odd = sorted(set(types) - set(LAYER_TYPES))
+    if odd:
+        raise ValueError(f"{type(text_config).__name__} has {odd} layers: hybrid's cache serves full and "
+                         "sliding-window attention only")  # fmt: skip
+    if "sliding_attention" in types and not window:
+        raise ValueError(f"{type(text_config).__name__} has sliding-attention layers but no sliding_window size")
+    return types
+
+
+def cache_fingerprint(model) -> dict:
+    """What a cache's shapes depend on: a cache built for a model with another fingerprint cannot serve it."""
+    text = model.config.get_text_config()
+    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return {"architecture": type(model).__name__, "layers": text.num_hidden_layers, "kv_heads": heads, "head_dim": head_dim}
+
+
+def shape_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    n = 1
+    for size in shape:
+        n *= size
+    return n * torch.finfo(dtype).bits // 8 if dtype.is_floating_point else n * 8
+
+
+def bytes_per_row(model, capacity: int, hidden_width: int = 0) -> int:
+    """Cache bytes one row needs: keys and values of every layer plus the kept hidden states."""
+    f = cache_fingerprint(model)
+    per_token = 2 * f["layers"] * f["kv_heads"] * f["head_dim"] + hidden_width
+    return shape_bytes((capacity, per_token), model.dtype)
+
+
+def free_memory_bytes(device: torch.device) -> int | None:
+    """Free memory where the cache goes: CUDA's free bytes, or the OS's MemAvailable for the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_fits(model, batch_size: int, capacity: int, hidden_width: int = 0) -> None:
+    """Raise `CacheMemoryError` naming the batch size that fits when `batch_size` rows cannot be cached."""
+    free = free_memory_bytes(torch.device(model.device))
+    per_row = bytes_per_row(model, capacity, hidden_width)
+    if free is None or batch_size * per_row <= free:
+        return
+    fits = free // per_row
+    raise CacheMemoryError(
+        f"a batch of {batch_size} rows of up to {capacity} tokens needs {batch_size * per_row / 2**30:.2f} GiB of "
+        f"cache ({per_row / 2**20:.1f} MiB per row) but {free / 2**30:.2f} GiB is free on {model.device}: "
+        + (f"pass at most {fits} rows per call" if fits else "even one row does not fit; lower max_new_tokens")
+        + " (or free memory)"
+    )
+
+
+def foreign_cache_reason(model, cache) -> str | None:
+    """Why `cache` (a transformers Cache) cannot have been built for `model`, or None if its shapes fit."""
+    want = cache_fingerprint(model)
+    layers = getattr(cache, "layers", [])
+    if layers and len(layers) != want["layers"]:
+        return f"it has {len(layers)} layers, {want['architecture']} has {want['layers']}"
+    for i, layer in enumerate(layers):
+        keys = getattr(layer, "keys", None)
+        if isinstance(keys, torch.Tensor) and keys.dim() == 4 and keys.numel():
+            if (keys.shape[1], keys.shape[-1]) != (want["kv_heads"], want["head_dim"]):
+                return (f"its layer {i} holds {keys.shape[1]} key/value heads of size {keys.shape[-1]}, "
+                        f"{want['architecture']} has {want['kv_heads']} of size {want['head_dim']}")  # fmt: skip
+    return None
