@@ -129,3 +129,28 @@ def test_generator_makes_sampling_reproducible(tiny, make_scheduler):
         for _ in range(2)
     ]  # fmt: skip
     assert torch.equal(runs[0], runs[1])
+
+
+@pytest.mark.parametrize("drafter_kind", ["adversarial", "block"])
+def test_batched_rows_follow_ar_sampling(tiny, drafter_kind):
+    """A left-padded batch of two different prompts, sampled 2,000 times: each row passes the same
+    chi-square test against plain AR sampling of its own unpadded prompt."""
+    model, prompt, exact = tiny
+    other = torch.tensor([[3, 0, 1]])
+    exact_other = sequence_distribution(model, other, NEW_TOKENS, **WARPERS)
+    batch = torch.tensor([[0, 1, 2], [3, 0, 1]])
+    mask = torch.tensor([[0, 1, 1], [1, 1, 1]])
+    drafter = (AdversarialDrafter(VOCAB, None, seed=2) if drafter_kind == "adversarial"
+               else random_block_drafter(model, seed=3, draft_vocab_size=3, block_size=4))  # fmt: skip
+    gen = torch.Generator().manual_seed(99)
+    counts, drafted = [Counter(), Counter()], 0
+    for _ in range(SAMPLES):
+        out, stats = hybrid.generate(model, batch, attention_mask=mask, drafter=drafter, do_sample=True,
+                                     max_new_tokens=NEW_TOKENS, generator=gen, return_stats=True, **WARPERS)  # fmt: skip
+        for r in range(2):
+            counts[r][tuple(out[r, batch.shape[1]:].tolist())] += 1
+        drafted += sum(stats.drafted)
+    assert drafted > 0
+    for row_counts, row_exact in zip(counts, (exact, exact_other)):
+        stat, df = chi_square_statistic(row_counts, row_exact)
+        assert stat < chi_square_critical(df, ALPHA), (stat, df)
