@@ -65,6 +65,8 @@ class DraftContext:
                   drafter asked for (`Drafter.hidden_layers`) for input_ids[:, num_padding:-1] (padding
                   has no states), never beyond.
     row:          this sequence's row in the verifier's batch.
+    steps:        denoising passes the scheduler chose for this step (1..`Drafter.max_steps`); None
+                  outside the engine (then a drafter uses its own setting).
     """
 
     input_ids: torch.Tensor
@@ -74,6 +76,7 @@ class DraftContext:
     generator: torch.Generator | None
     verifier: object
     row: int = 0
+    steps: int | None = None
 
     def hidden_states(self) -> torch.Tensor | None:
         return self.verifier.hidden_states(self.row)
@@ -99,12 +102,15 @@ class Drafter:
         tokenizer:     its tokenizer, if known; checked against the tokenizer passed to `generate`.
         hidden_layers: verifier hidden-state layers to keep for it (0 = embeddings, i = layer i).
         max_draft_len: the most tokens it can propose in one step (a block drafter's block size).
+        max_steps:     the most denoising passes it can run per draft (1 for one-pass drafters); the
+                       scheduler picks 1..max_steps each step and the engine passes it as `ctx.steps`.
     """
 
     vocab_size: int | None = None
     tokenizer = None
     hidden_layers: tuple[int, ...] = ()
     max_draft_len: int = 16
+    max_steps: int = 1
 
     def reset(self, ctx: DraftContext) -> None:
         """Called once per `generate` call, after the prefill and before the first `propose`."""

@@ -230,7 +230,8 @@ class BlockDiffusionDrafter(Drafter):
     Args:
         model: the trained `BlockDiffusionModel`.
         verifier: the verifier model (its embedding and head are used; its fingerprint must match).
-        steps: denoising passes per draft (1 = one parallel pass). With more, each pass fixes the
+        steps: the most denoising passes per draft (1 = one parallel pass); the scheduler chooses
+            1..steps each step (`ctx.steps`; the default scheduler learns which pays). With more, each pass fixes the
             longest run of leading still-masked positions whose confidence is >= `threshold` (at least
             one) and re-predicts the rest with them as input. Fixing a left-to-right prefix keeps
             rejection sampling exact: every token is drawn given only tokens to its left.
@@ -252,17 +253,24 @@ class BlockDiffusionDrafter(Drafter):
         if lookup_ngram < 0:
             raise ValueError(f"lookup_ngram must be >= 0, got {lookup_ngram}")
         check_fingerprint(c.verifier, verifier_fingerprint(verifier))
-        self.model = model.to(verifier.device).eval()
-        self.embed, self.head = frozen_verifier_parts(verifier, model.draft_vocab)
+        # On the device of the verifier's head, i.e. its last layer when device_map spreads it over GPUs.
+        self.device = verifier.get_output_embeddings().weight.device
+        self.model = model.to(self.device).eval()
+        self.embedding, self.head = frozen_verifier_parts(verifier, model.draft_vocab)
         self.vocab_size = verifier.get_input_embeddings().weight.shape[0]
         self.tokenizer = tokenizer
         self.hidden_layers = tuple(c.target_layers)
         self.block_size, self.max_draft_len = block_size, block_size - 1
         self.steps, self.threshold, self.lookup_ngram = steps, threshold, lookup_ngram
+        self.max_steps = steps
         weights = hashlib.sha256(b"".join(t.detach().cpu().float().numpy().tobytes() for t in model.state_dict().values()))
         # Schedulers keep acceptance statistics per drafter: another checkpoint or setting is another drafter.
         self.fingerprint = f"{weights.hexdigest()[:12]}:b{block_size}:s{steps}:t{threshold}:l{lookup_ngram}"
         self._reset_cache()
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The verifier's embedding of `ids`, on the drafter's device (the embedding may live on another GPU)."""
+        return self.embedding(ids.to(self.embedding.weight.device)).to(self.device)
 
     # -- persistence ------------------------------------------------------------------------------
 
@@ -339,10 +347,11 @@ class BlockDiffusionDrafter(Drafter):
             block[1 : 1 + found.shape[0]] = found
             known[1 : 1 + found.shape[0]] = True
             given_confidence[: found.shape[0]] = n / (max(self.lookup_ngram, 3) + 1)  # as PromptLookupDrafter
-        for step in range(self.steps):
+        steps = self.steps if ctx.steps is None else min(ctx.steps, self.steps)
+        for step in range(steps):
             logits = self.block_logits(ctx, block, known)
             masked = ~known[1:]
-            if step == self.steps - 1 or not bool(masked.any()):
+            if step == steps - 1 or not bool(masked.any()):
                 break
             confidence, best = torch.softmax(logits, -1).max(-1)
             first = int(masked.nonzero()[0])

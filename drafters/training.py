@@ -71,6 +71,8 @@ class VocabMap:
         self.table[draft_vocab] = torch.arange(draft_vocab.shape[0])
 
     def __call__(self, ids) -> torch.Tensor:
+        if isinstance(ids, torch.Tensor):  # np.array(tensor) goes through the deprecated __array__ path
+            return self.table[ids.long().cpu()]
         return self.table[torch.from_numpy(np.array(ids, dtype=np.int64))]
 
 

@@ -78,6 +78,10 @@ DRAFTERS: dict[str, DrafterEntry | None] = {
     "block-lookup": DrafterEntry(lambda block, reference, model: trained_drafters.block(model, block, lookup=True),
                                  default_block_size=trained_drafters.MAX_DRAFTED,
                                  max_block_size=trained_drafters.MAX_DRAFTED),
+    # The same with two denoising passes (the confident leading run fixed after the first, the rest re-predicted).
+    "block-lookup-2steps": DrafterEntry(lambda block, reference, model: trained_drafters.block(model, block, True, steps=2),
+                                        default_block_size=trained_drafters.MAX_DRAFTED,
+                                        max_block_size=trained_drafters.MAX_DRAFTED),
     # The 1-layer AR baseline of the same trainable budget (`python -m drafters.train --arch ar`).
     "ar": DrafterEntry(lambda block, reference, model: trained_drafters.ar(model, block), default_block_size=6),
 }

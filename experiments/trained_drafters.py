@@ -15,9 +15,10 @@ MAX_DRAFTED = shipped_block_size() - 1  # the shipped drafter's block minus its 
 
 
 @lru_cache(maxsize=None)
-def block(model, drafted: int, lookup: bool = False, path: Path = DRAFTER_DIR) -> BlockDiffusionDrafter:
-    """The shipped block-diffusion drafter proposing up to `drafted` tokens (block = anchor + drafted)."""
-    return BlockDiffusionDrafter.from_pretrained(path, model, block_size=drafted + 1,
+def block(model, drafted: int, lookup: bool = False, steps: int = 1, path: Path = DRAFTER_DIR) -> BlockDiffusionDrafter:
+    """The shipped block-diffusion drafter proposing up to `drafted` tokens (block = anchor + drafted), with
+    `steps` denoising passes."""
+    return BlockDiffusionDrafter.from_pretrained(path, model, block_size=drafted + 1, steps=steps,
                                                  lookup_ngram=DRAFTER_LOOKUP_NGRAM if lookup else 0)
 
 

@@ -109,6 +109,9 @@ def decode(
         # Draft, each row on its own. Room: never past max_length (the bonus token needs a slot) or the context.
         t0 = time.perf_counter()
         max_k = min(scheduler.max_draft_length(), draft_len) if drafter is not None else 0
+        steps = scheduler.denoising_steps() if drafter is not None else 1
+        if drafter is not None and not 1 <= steps <= drafter.max_steps:
+            raise ValueError(f"{type(scheduler).__name__}.denoising_steps returned {steps}; expected 1..{drafter.max_steps}")
         schedule_time = time.perf_counter() - t0
         for row in active:
             room = max_length - row.ids.shape[1] - 1
@@ -117,7 +120,7 @@ def decode(
             t1 = time.perf_counter()
             row.draft = Draft.empty(row.ids.device)
             if min(max_k, room) > 0:
-                row.ctx.input_ids = row.ids
+                row.ctx.input_ids, row.ctx.steps = row.ids, steps
                 row.draft = check_draft(row.drafter.propose(row.ctx, min(max_k, room)), min(max_k, room), vocab_size,
                                         type(drafter).__name__)  # fmt: skip
             row.draft_time = time.perf_counter() - t1

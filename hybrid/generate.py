@@ -294,6 +294,8 @@ def _check_drafter(drafter, verifier: Verifier, tokenizer) -> None:
         raise ValueError(f"{name}'s tokenizer differs from the tokenizer passed to generate: a drafter must share the verifier's tokenizer")
     if not isinstance(drafter.max_draft_len, int) or drafter.max_draft_len < 1:
         raise ValueError(f"{name}.max_draft_len must be a positive int, got {drafter.max_draft_len!r}")
+    if not isinstance(drafter.max_steps, int) or drafter.max_steps < 1:
+        raise ValueError(f"{name}.max_steps must be a positive int, got {drafter.max_steps!r}")
 
 
 __all__ = ["GenerationStats", "generate"]

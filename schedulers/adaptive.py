@@ -92,13 +92,23 @@ class CostAwareScheduler(_Calibrated):
 
     Verify cost comes from a `VerifyCostModel` measured on this device at start-up (cached) and
     rescaled by observed verify times; draft cost is the running mean of observed draft times.
+    For a multi-step drafter it also picks the number of denoising passes: each is tried for
+    `STEP_TRIALS` steps, then the one with the best measured tokens per second is used, and the
+    runner-up is retried every `STEP_EXPLORE` steps (more passes cost drafter time and pay only
+    if they raise acceptance, which only measurement can tell).
     """
+
+    STEP_TRIALS = 8
+    STEP_EXPLORE = 16
 
     def __init__(self, calibration: str | None = None, costs: dict[int, float] | None = None):
         super().__init__(calibration)
         self.verify_costs = VerifyCostModel(costs) if costs is not None else None
         self.draft_cost = 0.0
         self._declined = 0
+        self._step_stats: dict[int, list[float]] = {}  # passes -> [steps measured, tokens per second]
+        self._steps_for = None  # the pair those statistics belong to
+        self._chosen_steps, self._step_count = 1, 0
 
     def reset(self, drafter, model=None) -> None:
         super().reset(drafter, model)
@@ -106,6 +116,29 @@ class CostAwareScheduler(_Calibrated):
             if model is None:
                 raise ValueError("CostAwareScheduler needs the verifier (or costs=) to measure verification cost")
             self.verify_costs = VerifyCostModel.for_model(model)
+        if self._steps_for != self.acceptance.fingerprint:
+            self._step_stats = {s: [0, 0.0] for s in range(1, self.max_steps + 1)}
+            self._steps_for = self.acceptance.fingerprint
+
+    def denoising_steps(self) -> int:
+        untried = [s for s, (n, _) in self._step_stats.items() if n < self.STEP_TRIALS]
+        if untried:
+            self._chosen_steps = untried[0]
+        else:
+            ranked = sorted(self._step_stats, key=lambda s: -self._step_stats[s][1])
+            self._step_count += 1
+            explore = len(ranked) > 1 and self._step_count % self.STEP_EXPLORE == 0
+            self._chosen_steps = ranked[1] if explore else ranked[0]
+        return self._chosen_steps
+
+    def _observe_steps(self, tokens: float, seconds: float) -> None:
+        """Fold one step's emitted tokens per second into the statistics of the passes it used."""
+        stats = self._step_stats.get(self._chosen_steps)
+        if stats is None or seconds <= 0:
+            return
+        stats[0] += 1
+        weight = 1 / stats[0] if stats[0] <= self.STEP_TRIALS else 0.1  # a mean while trying, then a moving one
+        stats[1] += weight * (tokens / seconds - stats[1])
 
     def select(self, draft: Draft) -> int:
         if not len(draft):
@@ -122,6 +155,7 @@ class CostAwareScheduler(_Calibrated):
         super().update(draft, accepted, draft_time, verify_time)
         self.verify_costs.observe(len(draft) + 1, verify_time)
         self.draft_cost += 0.05 * (draft_time - self.draft_cost)
+        self._observe_steps(accepted + 1, draft_time + verify_time)
 
     def select_batch(self, drafts: list[Draft]) -> list[int]:
         """One width for the batch, chosen for expected tokens per second over all rows; each row verifies
@@ -143,6 +177,7 @@ class CostAwareScheduler(_Calibrated):
             self.acceptance.update(draft, kept)
             self.draft_cost += 0.05 * (draft_time - self.draft_cost)
         self.verify_costs.observe(len(drafts) * (1 + max(len(d) for d in drafts)), verify_time)
+        self._observe_steps(sum(accepted) + len(drafts), sum(draft_times) + verify_time)
 
     def expected_batch_rates(self, drafts: list[Draft]) -> list[float]:
         """Expected emitted tokens per second of the whole batch for widths w = 0..max draft: the rows'

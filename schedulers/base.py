@@ -12,10 +12,15 @@ class Scheduler:
     def reset(self, drafter, model=None) -> None:
         """Start a generation: `drafter` proposes (at most `drafter.max_draft_len` tokens), `model` verifies."""
         self.max_draft_len = drafter.max_draft_len
+        self.max_steps = getattr(drafter, "max_steps", 1)
 
     def max_draft_length(self) -> int:
         """How many tokens to ask the drafter for."""
         raise NotImplementedError
+
+    def denoising_steps(self) -> int:
+        """How many denoising passes the drafter runs this step (1..its max_steps). Default: all of them."""
+        return self.max_steps
 
     def select(self, draft: Draft) -> int:
         """How many of the drafted tokens to verify (a prefix of the draft). Default: all of them."""
@@ -44,18 +49,26 @@ def check_k(k: int, max_draft_len: int) -> None:
 
 
 class FixedScheduler(Scheduler):
-    """Always ask for `k` tokens."""
+    """Always ask for `k` tokens, drafted with `steps` denoising passes (None: the drafter's own number)."""
 
-    def __init__(self, k: int):
+    def __init__(self, k: int, steps: int | None = None):
         check_k(k, k if isinstance(k, int) and k >= 1 else 1)
-        self.k = k
+        if steps is not None and (not isinstance(steps, int) or steps < 1):
+            raise ValueError(f"steps={steps!r} must be a positive int (denoising passes per draft)")
+        self.k, self.steps = k, steps
 
     def reset(self, drafter, model=None) -> None:
         check_k(self.k, drafter.max_draft_len)
         super().reset(drafter, model)
+        if self.steps is not None and self.steps > self.max_steps:
+            raise ValueError(f"steps={self.steps} but {type(drafter).__name__} runs at most {self.max_steps} "
+                             "denoising passes (its max_steps)")  # fmt: skip
 
     def max_draft_length(self) -> int:
         return self.k
+
+    def denoising_steps(self) -> int:
+        return self.max_steps if self.steps is None else self.steps
 
 
 class HeuristicScheduler(Scheduler):

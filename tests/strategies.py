@@ -60,6 +60,19 @@ def prompts(vocab_size: int, max_len: int = 12):
     return st.lists(st.integers(0, vocab_size - 1), min_size=1, max_size=max_len).map(lambda ids: torch.tensor([ids]))
 
 
+@st.composite
+def padded_batches(draw, vocab_size: int, pad: int = 0, max_len: int = 10):
+    """(input_ids, attention_mask, rows): 2-4 prompts of any lengths, left-padded with `pad` (sometimes more
+    than the longest needs); `rows` are the prompts unpadded, as lists."""
+    lengths = draw(st.lists(st.integers(1, max_len), min_size=2, max_size=4), label="prompt lengths")
+    token = st.integers(0, vocab_size - 1).filter(lambda t: t != pad)
+    rows = [draw(st.lists(token, min_size=n, max_size=n), label="prompt") for n in lengths]
+    width = max(lengths) + draw(st.integers(0, 2), label="extra padding")
+    input_ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    return input_ids, mask, rows
+
+
 class AdversarialDrafter(Drafter):
     """A third-party drafter that proposes garbage, repeats, EOS runs and random lengths (always valid shapes)."""
 

@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import hybrid
-from strategies import drafters_for, verifiers
+from strategies import drafters_for, padded_batches, verifiers
 
 PROPERTY = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 PAD = 0
@@ -18,11 +18,8 @@ PAD = 0
 def test_batch_rows_equal_batch_one_outputs(data):
     model = data.draw(verifiers(), label="verifier")
     vocab = model.config.vocab_size
-    lengths = data.draw(st.lists(st.integers(1, 10), min_size=2, max_size=4), label="prompt lengths")
-    rows = [data.draw(st.lists(st.integers(1, vocab - 1), min_size=n, max_size=n), label="prompt") for n in lengths]
-    width = max(lengths) + data.draw(st.integers(0, 2), label="extra padding")
-    input_ids = torch.tensor([[PAD] * (width - len(r)) + r for r in rows])
-    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    input_ids, mask, rows = data.draw(padded_batches(vocab, PAD), label="batch")
+    width = input_ids.shape[1]
     eos = data.draw(st.one_of(st.none(), st.integers(1, vocab - 1)), label="eos")
     drafter = data.draw(drafters_for(model, eos), label="drafter")
     settings_ = {"max_new_tokens": data.draw(st.integers(1, 20), label="max_new_tokens"), "do_sample": False,

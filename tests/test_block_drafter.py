@@ -15,7 +15,9 @@ from drafters.block_diffusion import CONFIG_NAME, WEIGHTS_NAME, frozen_verifier_
 from drafters.distill import build_features
 from drafters.train import block_batch, block_forward, parser, train
 from drafters.training import VocabMap, accepted_lengths, block_targets
+import hybrid
 from hybrid.testing import check_greedy_lossless
+from schedulers import FixedScheduler
 from strategies import random_block_drafter, tiny_model
 from verifiers.verifier import Verifier
 
@@ -160,6 +162,19 @@ def test_engine_with_block_drafter_matches_generate(steps, lookup):
                                    lookup_ngram=lookup)
     report = check_greedy_lossless(verifier, torch.tensor([[5, 9, 5, 9, 3]]), drafter, max_new_tokens=40)
     assert sum(report.stats.drafted) > 0
+
+
+@pytest.mark.parametrize("chosen", [1, 2, 3])
+def test_the_scheduler_chooses_the_denoising_passes(chosen):
+    verifier = tiny_model("llama", VOCAB, 1, seed=2)
+    drafter = random_block_drafter(verifier, seed=1, block_size=6, steps=3, threshold=1.0)  # never fixes a run early
+    passes = []
+    original = drafter.block_logits
+    drafter.block_logits = lambda *args: passes.append(1) or original(*args)
+    _, stats = hybrid.generate(verifier, torch.tensor([[3, 4, 5]]), drafter=drafter, max_new_tokens=12, do_sample=False,
+                               scheduler=FixedScheduler(5, steps=chosen), return_stats=True)  # fmt: skip
+    drafting_steps = sum(1 for k in stats.drafted[1:] if k)
+    assert drafting_steps and len(passes) == chosen * drafting_steps
 
 
 @pytest.mark.parametrize("arch", ["block", "ar"])

@@ -71,6 +71,41 @@ def test_confidence_scheduler_cuts_where_whole_prefix_probability_drops_below_th
     assert s.select(draft(8)) == 3
 
 
+class _StepsDrafter(PromptLookupDrafter):
+    max_steps = 3
+
+
+def test_cost_aware_tries_each_number_of_passes_then_keeps_the_fastest():
+    s = CostAwareScheduler(costs={1: 1.0, 17: 5.0})
+    s.reset(_StepsDrafter(max_draft_len=4))
+    rate = {1: 2.0, 2: 3.0, 3: 1.0}  # tokens per second each number of passes yields
+    chosen = []
+    for _ in range(3 * s.STEP_TRIALS + 2 * s.STEP_EXPLORE):
+        steps = s.denoising_steps()
+        chosen.append(steps)
+        s.update(draft(2), accepted=1, draft_time=0.0, verify_time=2 / rate[steps])
+    trials = chosen[: 3 * s.STEP_TRIALS]
+    assert trials == [1] * s.STEP_TRIALS + [2] * s.STEP_TRIALS + [3] * s.STEP_TRIALS
+    after = chosen[3 * s.STEP_TRIALS :]
+    assert after.count(2) == len(after) - 2 and after.count(1) == 2  # the best, and the runner-up now and then
+    one_pass = CostAwareScheduler(costs={1: 1.0, 17: 5.0})
+    one_pass.reset(PromptLookupDrafter())
+    assert {one_pass.denoising_steps() for _ in range(20)} == {1}
+
+
+def test_fixed_scheduler_steps_are_checked_against_the_drafter():
+    with pytest.raises(ValueError, match=r"steps=0 must be a positive int"):
+        FixedScheduler(2, steps=0)
+    with pytest.raises(ValueError, match=r"steps=4 but _StepsDrafter runs at most 3 denoising passes"):
+        FixedScheduler(2, steps=4).reset(_StepsDrafter())
+    s = FixedScheduler(2, steps=2)
+    s.reset(_StepsDrafter())
+    assert s.denoising_steps() == 2
+    s = FixedScheduler(2)
+    s.reset(_StepsDrafter())
+    assert s.denoising_steps() == 3  # the drafter's own number
+
+
 def test_calibration_learns_per_confidence_bin():
     model = AcceptanceModel(4)
     for _ in range(200):

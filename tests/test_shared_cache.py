@@ -13,7 +13,7 @@ import verifiers.cache as cache_module
 import verifiers.verifier as verifier_module
 from drafters import PromptLookupDrafter
 from verifiers.cache import CacheMemoryError, SharedCache
-from strategies import tiny_model, verifiers
+from strategies import padded_batches, tiny_model, verifiers
 from verifiers import Verifier
 
 PROPERTY = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -62,11 +62,7 @@ def test_finished_rows_stop_costing_work(data):
     """Every row is in exactly as many verifier forwards as it took steps: a finished row is never fed again."""
     model = data.draw(verifiers(), label="verifier")
     vocab = model.config.vocab_size
-    lengths = data.draw(st.lists(st.integers(1, 8), min_size=2, max_size=4), label="prompt lengths")
-    width = max(lengths)
-    input_ids = torch.tensor([[0] * (width - n) + data.draw(st.lists(st.integers(1, vocab - 1), min_size=n, max_size=n))
-                              for n in lengths])  # fmt: skip
-    mask = (torch.arange(width)[None] >= width - torch.tensor(lengths)[:, None]).long()
+    input_ids, mask, rows = data.draw(padded_batches(vocab, pad=0), label="batch")
     eos = data.draw(st.integers(1, vocab - 1), label="eos")  # rows stop at different steps
     fed_rows = []
 
@@ -81,7 +77,7 @@ def test_finished_rows_stop_costing_work(data):
                                    do_sample=False, return_stats=True)  # fmt: skip
     finally:
         hook.remove()
-    assert fed_rows[0] == len(lengths), "one prefill for the whole batch"
+    assert fed_rows[0] == len(rows), "one prefill for the whole batch"
     assert sum(fed_rows) == stats.verifier_forwards, (fed_rows, stats.verifier_forwards)
     assert fed_rows == sorted(fed_rows, reverse=True), "the batch only ever shrinks"
 

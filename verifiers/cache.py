@@ -88,7 +88,9 @@ class SharedCache(Cache):
         self.window = getattr(text, "sliding_window", None)
         self.owner_fingerprint = cache_fingerprint(model)
         check_fits(model, batch_size, self.capacity, hidden_width)
-        self.hidden = None if not hidden_width else self.allocate((batch_size, self.capacity, hidden_width), model.dtype)
+        # Hidden states live where the drafter reads them: by the head (the last GPU under device_map="auto").
+        head = model.get_output_embeddings().weight.device
+        self.hidden = None if not hidden_width else self.allocate((batch_size, self.capacity, hidden_width), model.dtype, head)
         self._write_index: torch.Tensor | None = None  # [rows, q] slots of the forward in flight
         self._write_start: int | None = None  # their common first slot, when every row starts at the same one
         self.end = 0  # slots attention reads this forward: max(lengths) + q
@@ -183,7 +185,7 @@ class SharedCache(Cache):
         for layer in self.layers:
             layer.batch_select_indices(index)
         if self.hidden is not None:
-            self.hidden = self.hidden[index]
+            self.hidden = self.hidden[index.to(self.hidden.device)]
         self.lengths = [self.lengths[r] for r in rows]
 
     # -- reading -------------------------------------------------------------------------------------
