@@ -9,7 +9,7 @@ python -m experiments.acceptance --datasets mt-bench,humaneval --drafters none,l
 python -m experiments.acceptance --datasets mt-bench,humaneval --drafters lookup \
     --schedulers fixed-1,fixed-3,fixed-4,fixed-7,fixed-16,heuristic,cost-aware --block-sizes 16 \
     --num-prompts 10 --max-new-tokens 128 --out runs/schedulers
-python -m experiments.calibration --dataset dev --num-prompts 8 --max-new-tokens 128 --out runs/calibration
+python -m experiments.calibration --dataset dev --num-prompts 8 --max-new-tokens 256 --out runs/calibration
 # The trained drafters (issue 3): the shipped block-diffusion drafter alone and with n-gram lookup, prompt lookup,
 # and the 1-layer AR baseline (trained by `bash experiments/gpu_train.sh OUT`, copied to ~/.cache/hybrid/drafter/ar-drafter).
 python -m experiments.acceptance --datasets mt-bench,humaneval --drafters lookup,block,block-lookup,ar \
@@ -18,13 +18,18 @@ python -m experiments.acceptance --datasets mt-bench,humaneval --drafters lookup
     --temperatures 0.7 --block-sizes 7 --num-prompts 6 --max-new-tokens 256 --out runs/trained-t07
 # The schedulers with the shipped default drafter (block 7 is its largest).
 python -m experiments.acceptance --datasets mt-bench,humaneval --drafters block-lookup \
-    --schedulers fixed-1,fixed-2,fixed-3,fixed-5,fixed-7,heuristic,cost-aware --block-sizes 7 \
-    --num-prompts 6 --max-new-tokens 128 --out runs/schedulers-default
+    --schedulers fixed-1,fixed-2,fixed-3,fixed-4,fixed-5,fixed-6,fixed-7,heuristic,confidence,cost-aware --block-sizes 7 \
+    --num-prompts 6 --max-new-tokens 128 --out runs/schedulers-v2
+# Denoising passes: the shipped drafter with one and with two, and the scheduler choosing (dev prompts).
+python -m experiments.acceptance --datasets dev --drafters block-lookup,block-lookup-2steps --schedulers fixed-7,cost-aware \
+    --block-sizes 7 --num-prompts 6 --max-new-tokens 128 --out runs/steps-dev
 mkdir -p runs/memory && python -m experiments.memory --max-new-tokens 1024 | tee runs/memory/memory.txt
 mkdir -p runs/bench-mt && python -m experiments.bench --dataset mt-bench --num-prompts 4 --max-new-tokens 128 --repeats 2 \
     --methods plain,hf-lookup,hybrid-none,hybrid-lookup,hybrid-block,hybrid-block-lookup,hybrid-ar,oracle --out runs/bench-mt \
     | tee runs/bench-mt/table.txt
-for run in drafters schedulers calibration trained trained-t07 schedulers-default memory bench-mt; do
+mkdir -p runs/batching && python -m experiments.batching --dataset mt-bench --num-prompts 4 --batch-sizes 1,2,4 \
+    --max-new-tokens 64 --out runs/batching | tee runs/batching/batching.txt
+for run in drafters schedulers calibration trained trained-t07 schedulers-v2 memory bench-mt batching; do
     mkdir -p "docs/results/$run"
     cp runs/$run/*.png runs/$run/*.md runs/$run/*.csv runs/$run/*.json runs/$run/*.txt "docs/results/$run/" 2>/dev/null || true
 done
