@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from drafters.base import Draft, DraftContext, Drafter, common_prefix_length
+from drafters.base import Draft, DraftContext, Drafter
 from drafters.prompt_lookup import lookup_continuation
 
 CONFIG_NAME = "drafter_config.json"
@@ -266,7 +266,6 @@ class BlockDiffusionDrafter(Drafter):
         weights = hashlib.sha256(b"".join(t.detach().cpu().float().numpy().tobytes() for t in model.state_dict().values()))
         # Schedulers keep acceptance statistics per drafter: another checkpoint or setting is another drafter.
         self.fingerprint = f"{weights.hexdigest()[:12]}:b{block_size}:s{steps}:t{threshold}:l{lookup_ngram}"
-        self._reset_cache()
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """The verifier's embedding of `ids`, on the drafter's device (the embedding may live on another GPU)."""
@@ -283,16 +282,9 @@ class BlockDiffusionDrafter(Drafter):
 
     # -- drafting ---------------------------------------------------------------------------------
 
-    def _reset_cache(self) -> None:
-        self._ids = torch.empty(0, dtype=torch.long)  # committed tokens whose context rows are cached
-        self._keys: list[torch.Tensor] = []  # per layer [1, kv_heads, capacity, d]
-        self._values: list[torch.Tensor] = []
-
-    def reset(self, ctx: DraftContext) -> None:
-        self._reset_cache()
-
-    def _sync_context(self, ctx: DraftContext, committed: torch.Tensor) -> tuple[int, torch.Tensor]:
-        """Bring the context cache to the verifier states of committed[:-1]; return its length and those states."""
+    def _sync_context(self, ctx: DraftContext, committed: torch.Tensor) -> tuple[int, torch.Tensor, list]:
+        """Bring this row's projected context (kept in the verifier's shared cache, which a rollback cuts back)
+        up to the verifier states of committed[:-1]; return its length, those states and per layer (keys, values)."""
         states = ctx.hidden_states()
         if states is None:
             raise ValueError("the verifier keeps no hidden states: run BlockDiffusionDrafter through hybrid.generate")
@@ -300,36 +292,31 @@ class BlockDiffusionDrafter(Drafter):
         n = committed.shape[0] - 1
         if states.shape[0] != n:
             raise ValueError(f"verifier has states for {states.shape[0]} tokens, expected {n} (committed minus the anchor)")
-        # Rows stay valid while the tokens they were computed from are unchanged (a rollback changes them).
-        keep = common_prefix_length(self._ids, committed[:n])
-        if keep < n:
-            positions = torch.arange(keep, n, device=states.device)[None]
-            new = self.model.context(self.model.features(states[None, keep:n], self.embed(committed[None, keep:n])), positions)
-            if not self._keys:  # shapes and dtype come from the first rows computed
-                self._keys, self._values = [k[:, :, :0] for k, _ in new], [v[:, :, :0] for _, v in new]
-            capacity = self._keys[0].shape[2]
-            if n > capacity:  # grow geometrically: rows are written in place, never re-concatenated per step
-                size = max(n, 2 * capacity, 256)
-                pad = lambda t: torch.cat([t, t.new_zeros(*t.shape[:2], size - capacity, t.shape[3])], dim=2)  # noqa: E731
-                self._keys, self._values = [pad(k) for k in self._keys], [pad(v) for v in self._values]
-            for layer, (k, v) in enumerate(new):
-                self._keys[layer][:, :, keep:n] = k
-                self._values[layer][:, :, keep:n] = v
-        self._ids = committed[:n].cpu().clone()
-        return n, states
+        c, cache, row = self.model.config, ctx.verifier.cache, ctx.row
+        dtype = self.model.norm.weight.dtype
+        buffers = [cache.drafter_buffer(f"block-context-{i}", (2, c.num_kv_heads, c.head_dim), dtype, self.device)
+                   for i in range(c.num_layers)]  # fmt: skip
+        done = cache.drafter_lengths[row]
+        if done < n:
+            positions = torch.arange(done, n, device=states.device)[None]
+            features = self.model.features(states[None, done:n], self.embed(committed[None, done:n]))
+            for buffer, (k, v) in zip(buffers, self.model.context(features, positions)):
+                buffer[row, done:n] = torch.stack([k[0], v[0]]).permute(2, 0, 1, 3)  # [n, 2, kv_heads, d]
+            cache.drafter_computed(row, n)
+        context = [(b[row : row + 1, :n, 0].transpose(1, 2), b[row : row + 1, :n, 1].transpose(1, 2)) for b in buffers]
+        return n, states, context
 
     @torch.inference_mode()
     def block_logits(self, ctx: DraftContext, block: torch.Tensor, known: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits [B - 1, V'] for block positions 1.. given block tokens [B] where `known` [B]."""
         committed = ctx.input_ids[0, ctx.num_padding :]
-        n, states = self._sync_context(ctx, committed)
+        n, states, context = self._sync_context(ctx, committed)
         last = None
         if self.model.config.feature_input:  # the fused feature of the token before the anchor (zeros if none)
             last = (self.model.features(states[n - 1], self.embed(committed[n - 1])) if n
                     else self.model.feature_gate.new_zeros(self.model.feature_gate.shape))
         embeds = self.model.block_inputs(self.embed(block), known, last)
         positions = torch.arange(n, n + block.shape[0], device=block.device)[None]
-        context = [(k[:, :, :n], v[:, :, :n]) for k, v in zip(self._keys, self._values)]
         hidden = self.model(embeds[None].to(self.model.norm.weight.dtype), positions, context)
         return (hidden[0, 1:] @ self.head.T.to(hidden.dtype)).float()
 

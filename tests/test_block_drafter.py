@@ -90,21 +90,30 @@ def test_a_block_never_sees_later_context_or_other_blocks(world):
     assert not torch.allclose(before[0, 2], after[0, 2])  # anchor 22: its context and its tokens changed
 
 
-def test_context_cache_follows_a_rollback(world):
-    """After drafting for one continuation, the drafter's cached context for another (sharing a prefix) equals a
-    fresh drafter's: rows computed from tokens that changed are recomputed, never reused."""
+def test_context_rows_follow_a_rollback(world):
+    """The drafter's projected context lives in the verifier's shared cache: a rollback cuts it back with
+    the verifier's rows, so after continuing differently the drafter recomputes exactly the rows whose
+    tokens changed and computes what a fresh verifier and drafter compute."""
     verifier, drafter, store = world
     ids = torch.tensor(store.sequence(1)["ids"], dtype=torch.long)
     other = ids.clone()
     other[15:] = (other[15:] + 7) % VOCAB
-    drafting_logits(verifier, drafter, ids, 25)  # fills the cache for ids[:25]
+
+    def block_for(seq, anchor):
+        block = torch.zeros(BLOCK, dtype=torch.long)
+        block[0] = seq[anchor]
+        return block, torch.arange(BLOCK) == 0
+
     v = Verifier(verifier, hidden_layers=drafter.hidden_layers)
-    v.prefill(other[None, :22], None, capacity=64)
+    v.prefill(ids[None, :24], None, capacity=64)
+    drafter.block_logits(DraftContext(ids[None, :25], 0, False, LogitsProcessorList(), None, v), *block_for(ids, 24))
+    assert v.cache.drafter_lengths == [24]
+    v.rollback(24 - 15)  # back to ids[:15], which other shares
+    assert v.cache.drafter_lengths == [15]
+    v.verify(other[None, 15:22])
     ctx = DraftContext(other[None, :23], 0, False, LogitsProcessorList(), None, v)
-    block = torch.zeros(BLOCK, dtype=torch.long)
-    block[0] = other[22]
-    known = torch.arange(BLOCK) == 0
-    reused = drafter.block_logits(ctx, block, known)  # no reset: the cache must notice the change itself
+    reused = drafter.block_logits(ctx, *block_for(other, 22))
+    assert v.cache.drafter_lengths == [22]
     torch.testing.assert_close(reused, drafting_logits(verifier, drafter, other, 22))
 
 

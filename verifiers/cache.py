@@ -5,7 +5,9 @@ so a slot index is a position. A forward writes its q tokens at slots `lengths[b
 of each row and attends through a mask built from the lengths, so rows of different lengths share one
 batched forward. **Rollback** is moving a row's length back (as in gpt-fast): nothing is copied or
 recomputed, the rejected drafts' slots are overwritten by the next forward. The verifier's hidden
-states that a drafter conditions on are kept the same way, so they roll back with the keys/values.
+states that a drafter conditions on are kept the same way, so they roll back with the keys/values,
+and so is a drafter's own per-token state derived from them (`drafter_state`: the block drafter's
+projected context keys/values), valid per row up to `drafter_lengths`, which a rollback cuts back.
 """
 
 from __future__ import annotations
@@ -91,6 +93,8 @@ class SharedCache(Cache):
         # Hidden states live where the drafter reads them: by the head (the last GPU under device_map="auto").
         head = model.get_output_embeddings().weight.device
         self.hidden = None if not hidden_width else self.allocate((batch_size, self.capacity, hidden_width), model.dtype, head)
+        self.drafter_state: dict[str, torch.Tensor] = {}  # name -> [rows, capacity, ...], see `drafter_buffer`
+        self.drafter_lengths = [0] * batch_size  # tokens whose drafter state is computed, per row
         self._write_index: torch.Tensor | None = None  # [rows, q] slots of the forward in flight
         self._write_start: int | None = None  # their common first slot, when every row starts at the same one
         self.end = 0  # slots attention reads this forward: max(lengths) + q
@@ -120,6 +124,7 @@ class SharedCache(Cache):
             self.capacity = max(slots, 2 * self.capacity)
             if self.hidden is not None:
                 self.hidden = self.grow(self.hidden, 1)
+            self.drafter_state = {name: self.grow(buffer, 1) for name, buffer in self.drafter_state.items()}
 
     # -- one forward: where it writes, what it may see -------------------------------------------------
 
@@ -178,6 +183,8 @@ class SharedCache(Cache):
         if len(drop) != len(self.lengths) or any(not 0 <= d <= n for d, n in zip(drop, self.lengths)):
             raise ValueError(f"cannot roll back {drop} tokens of rows holding {self.lengths}")
         self.lengths = [n - d for n, d in zip(self.lengths, drop)]
+        # Drafter state computed from tokens that were just dropped is stale: recomputed on the next draft.
+        self.drafter_lengths = [min(m, n) for m, n in zip(self.drafter_lengths, self.lengths)]
 
     def select_rows(self, rows: list[int]) -> None:
         """Keep only `rows` (in this order), e.g. drop finished ones so they stop costing work."""
@@ -186,13 +193,29 @@ class SharedCache(Cache):
             layer.batch_select_indices(index)
         if self.hidden is not None:
             self.hidden = self.hidden[index.to(self.hidden.device)]
+        self.drafter_state = {name: b[index.to(b.device)] for name, b in self.drafter_state.items()}
         self.lengths = [self.lengths[r] for r in rows]
+        self.drafter_lengths = [self.drafter_lengths[r] for r in rows]
 
     # -- reading -------------------------------------------------------------------------------------
 
     def hidden_states(self, row: int) -> torch.Tensor | None:
         """Kept hidden states of row `row`'s cached tokens: [1, lengths[row], width]."""
         return None if self.hidden is None else self.hidden[row : row + 1, : self.lengths[row]]
+
+    def drafter_buffer(self, name: str, per_token: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+        """The drafter's buffer `name` [rows, capacity, *per_token] (allocated on first use): row b's slots
+        0 .. drafter_lengths[b] - 1 hold state for its tokens at those positions; the drafter writes the
+        rest and then calls `drafter_computed`."""
+        if name not in self.drafter_state:
+            self.drafter_state[name] = self.allocate((len(self.lengths), self.capacity, *per_token), dtype, device)
+        return self.drafter_state[name]
+
+    def drafter_computed(self, row: int, length: int) -> None:
+        """Row `row` now has drafter state for its first `length` tokens (at most the cached ones)."""
+        if not 0 <= length <= self.lengths[row]:
+            raise ValueError(f"drafter state for {length} tokens of row {row}, which caches {self.lengths[row]}")
+        self.drafter_lengths[row] = length
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.lengths[0] if self.lengths else 0
