@@ -8,7 +8,9 @@ with prompt lookup, with the shipped block-diffusion drafter (alone and with n-g
 1-layer AR baseline drafter (`python -m drafters.train --arch ar`), and with an oracle drafter that
 proposes the verifier's own greedy continuation at zero cost (the ceiling of speculative decoding for
 this verifier on this machine: every method is also reported as a fraction of it). Greedy only: every
-output is checked against plain `generate`'s.
+output is checked against plain `generate`'s. A hybrid method takes a scheduler after `@`
+(`hybrid-block-lookup@fixed-4`, names as in experiments.acceptance); without one it uses `generate`'s
+default (cost-aware, learning across the prompts).
 
 Every (repeat, prompt, method) measurement is appended to OUT/bench.jsonl as it finishes; rerunning the
 same command resumes, skipping what is there. A method's tokens/s in one repeat is its tokens over its
@@ -37,12 +39,20 @@ from experiments.acceptance import append_record, drop_partial_line, load_model,
 from experiments.datasets import load_prompts
 from hybrid.prompts import encode_prompt
 from schedulers import FixedScheduler
+from schedulers.registry import NAMES_HELP, check_scheduler_name, make_scheduler
 
 METHODS = ("plain", "hf-lookup", "hybrid-none", "hybrid-lookup", "hybrid-block", "hybrid-block-lookup", "hybrid-ar",
            "oracle")
 DEFAULT_METHODS = ("plain", "hf-lookup", "hybrid-none", "hybrid-lookup", "hybrid-block-lookup", "oracle")
 TRAINED = ("hybrid-block", "hybrid-block-lookup", "hybrid-ar")  # drafters trained for the default verifier
 RECORDS_FILE = "bench.jsonl"
+_SCHEDULERS: dict[str, object] = {}  # one per "method@scheduler", kept across prompts as the default one is
+
+
+def split_method(method: str) -> tuple[str, str | None]:
+    """"hybrid-block-lookup@fixed-4" -> ("hybrid-block-lookup", "fixed-4"); no "@" -> (method, None)."""
+    base, _, scheduler = method.partition("@")
+    return base, scheduler or None
 
 
 def make_drafter(method: str, model, reference: torch.Tensor):
@@ -62,6 +72,7 @@ def make_drafter(method: str, model, reference: torch.Tensor):
 def run_method(method: str, model, input_ids, reference, max_new_tokens: int) -> tuple[torch.Tensor, float, float | None]:
     """(output, seconds, tau or None) for one method on one prompt."""
     settings = {"max_new_tokens": max_new_tokens, "do_sample": False, "attention_mask": torch.ones_like(input_ids)}
+    method, scheduler_name = split_method(method)
     drafter = None if method in ("plain", "hf-lookup") else make_drafter(method, model, reference)
     start = time.perf_counter()
     if method == "plain":
@@ -69,7 +80,10 @@ def run_method(method: str, model, input_ids, reference, max_new_tokens: int) ->
     elif method == "hf-lookup":
         out, tau = model.generate(input_ids, prompt_lookup_num_tokens=10, **settings), None
     else:
-        scheduler = FixedScheduler(16) if method == "oracle" else None
+        scheduler = FixedScheduler(16) if method == "oracle" and scheduler_name is None else None
+        if scheduler_name is not None:
+            key = f"{method}@{scheduler_name}"
+            scheduler = _SCHEDULERS.setdefault(key, make_scheduler(scheduler_name, drafter.max_draft_len))
         out, stats = hybrid.generate(model, input_ids, drafter=drafter, scheduler=scheduler, return_stats=True, **settings)
         tau = stats.tau
     return out, time.perf_counter() - start, tau
@@ -167,10 +181,10 @@ def print_table(args, rows: dict[str, dict], num_prompts: int, processes: int) -
 
     print(f"\n{args.dataset}: {num_prompts} prompts, {args.max_new_tokens} new tokens, {args.repeats} repeats, greedy, "
           f"{processes} process(es) x {torch.get_num_threads()} threads")  # fmt: skip
-    print(f"{'method':<20}{'tok/s':>8}{'spread':>14}{'tau':>7}{'speed-up':>10}{'of oracle':>11}  identical")
+    print(f"{'method':<28}{'tok/s':>8}{'spread':>14}{'tau':>7}{'speed-up':>10}{'of oracle':>11}  identical")
     for m, row in rows.items():
         spread = f"{row['min']:.1f}-{row['max']:.1f}"
-        print(f"{m:<20}{row['tokens_per_s']:>8.1f}{spread:>14}{fmt(row['tau'], '.2f'):>7}{fmt(row['speedup'], '.2f'):>9}x"
+        print(f"{m:<28}{row['tokens_per_s']:>8.1f}{spread:>14}{fmt(row['tau'], '.2f'):>7}{fmt(row['speedup'], '.2f'):>9}x"
               f"{fmt(row['fraction_of_oracle'], '.2f'):>11}  {'yes' if row['identical_to_plain'] else 'NO'}")  # fmt: skip
 
 
@@ -181,18 +195,29 @@ def parse_args(argv):
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--methods", default=",".join(DEFAULT_METHODS), help=f"comma-separated subset of {METHODS}")
+    parser.add_argument("--methods", default=",".join(DEFAULT_METHODS),
+                        help=f"comma-separated subset of {METHODS}; a hybrid one may add @SCHEDULER ({NAMES_HELP})")
     parser.add_argument("--model", default="default",
                         help="default (SmolLM2-135M-Instruct), tiny (random, for tests) or a local checkpoint folder")  # fmt: skip
     parser.add_argument("--device", default="cpu", help="where the verifier and drafters run (cpu, cuda, cuda:1)")
     parser.add_argument("--out", default="runs/bench", help="folder for bench.jsonl and summary.json; rerun to resume")
     args = parser.parse_args(argv)
     args.methods = list(dict.fromkeys(m.strip() for m in args.methods.split(",") if m.strip()))
-    unknown = [m for m in args.methods if m not in METHODS]
+    bases = [split_method(m)[0] for m in args.methods]
+    unknown = [m for m, base in zip(args.methods, bases) if base not in METHODS]
     if unknown or not args.methods:
         parser.error(f"unknown method(s) {unknown}: choose from {', '.join(METHODS)}")
-    if args.model != "default" and set(args.methods) & set(TRAINED):
-        parser.error(f"{sorted(set(args.methods) & set(TRAINED))} are trained for the default verifier: "
+    for method in args.methods:
+        base, scheduler = split_method(method)
+        if scheduler is not None:
+            if base in ("plain", "hf-lookup", "hybrid-none"):
+                parser.error(f"{method}: only a hybrid method with a drafter takes a scheduler")
+            try:
+                check_scheduler_name(scheduler)
+            except ValueError as error:
+                parser.error(f"{method}: {error}")
+    if args.model != "default" and set(bases) & set(TRAINED):
+        parser.error(f"{sorted(set(bases) & set(TRAINED))} are trained for the default verifier: "
                      f"drop them or use --model default")  # fmt: skip
     for name in ("num_prompts", "max_new_tokens", "repeats"):
         if getattr(args, name) < 1:

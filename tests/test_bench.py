@@ -43,6 +43,14 @@ def decoding(record: dict) -> tuple:
     return record["new_tokens"], record["tau"], record["identical"]
 
 
+def test_a_method_can_name_its_scheduler(prompts_file, tmp_path):
+    args = bench_args(prompts_file, tmp_path / "out")
+    args[args.index("--methods") + 1] = "plain,hybrid-lookup,hybrid-lookup@fixed-2,hybrid-lookup@cost-aware"
+    rows = bench.main(args)
+    assert list(rows) == ["plain", "hybrid-lookup", "hybrid-lookup@fixed-2", "hybrid-lookup@cost-aware"]
+    assert all(row["identical_to_plain"] for row in rows.values())
+
+
 def test_resume_skips_finished_measurements(prompts_file, tmp_path):
     out = tmp_path / "out"
     rows = bench.main(bench_args(prompts_file, out))
@@ -84,6 +92,9 @@ def test_sharded_measurements_equal_unsharded(prompts_file, tmp_path):
         (["--methods", "plain,eagle"], "unknown method(s) ['eagle']"),
         (["--model", "tiny", "--methods", "plain,hybrid-block"], "trained for the default verifier"),
         (["--repeats", "0"], "--repeats must be >= 1"),
+        (["--methods", "plain,hybrid-lookup@fixed-0"], "hybrid-lookup@fixed-0: scheduler fixed-0: k=0 must be >= 1"),
+        (["--methods", "plain@fixed-2"], "plain@fixed-2: only a hybrid method with a drafter takes a scheduler"),
+        (["--methods", "hybrid-lookup@sometimes"], "unknown scheduler 'sometimes'"),
     ],
 )
 def test_bad_input_fails_before_any_model_loads(args, message, capsys, tmp_path):
