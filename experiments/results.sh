@@ -27,6 +27,10 @@ mkdir -p runs/memory && python -m experiments.memory --max-new-tokens 1024 | tee
 mkdir -p runs/bench-mt && python -m experiments.bench --dataset mt-bench --num-prompts 4 --max-new-tokens 128 --repeats 2 \
     --methods plain,hf-lookup,hybrid-none,hybrid-lookup,hybrid-block,hybrid-block-lookup,hybrid-ar,oracle --out runs/bench-mt \
     | tee runs/bench-mt/table.txt
+for set in humaneval mt-bench; do  # the scheduler against the best fixed k, with repeats
+    python -m experiments.bench --dataset $set --num-prompts 4 --max-new-tokens 128 --repeats 3 \
+        --methods plain,hybrid-block-lookup,hybrid-block-lookup@fixed-4,hybrid-block-lookup@fixed-7 --out runs/bench-sched-$set
+done
 mkdir -p runs/batching && python -m experiments.batching --dataset mt-bench --num-prompts 4 --batch-sizes 1,2,4 \
     --max-new-tokens 64 --out runs/batching | tee runs/batching/batching.txt
 for run in drafters schedulers calibration trained trained-t07 schedulers-v2 memory bench-mt batching; do
