@@ -45,7 +45,9 @@ class _Row:
         self.stats = GenerationStats()
         self.ctx: DraftContext | None = None
         self.drafter: Drafter | None = None
-        self.draft = Draft.empty(input_ids.device)
+        self.draft = Draft.empty(input_ids.device)  # this step's draft, after the scheduler's cut
+        self.draft_time = 0.0  # this step's drafting seconds
+        self.accepted = 0  # this step's accepted drafts
 
     def emit(self, token: int, scores: torch.Tensor, logits: torch.Tensor) -> None:
         self.ids = torch.cat([self.ids, self.ids.new_tensor([[token]])], dim=1)
