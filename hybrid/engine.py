@@ -82,7 +82,6 @@ def decode(
     if streamer is not None:
         streamer.put(rows[0].ids.cpu())  # as `generate` does; TextStreamer(skip_prompt=True) drops it
     vocab_size = verifier.vocab_size
-    max_positions = getattr(verifier.model.config.get_text_config(), "max_position_embeddings", None)
     draft_len = drafter.max_draft_len if drafter is not None else 0
 
     def choose(scores: torch.Tensor) -> int:
@@ -96,7 +95,9 @@ def decode(
         row.emit(choose(scores), scores, row_logits)
         row.stream(1)
         row.stats.record(drafted=0, accepted=0, emitted=1)
-        row.stats.prefill_time = time.perf_counter() - start
+    prefill_time = time.perf_counter() - start
+    for row in rows:
+        row.stats.prefill_time = prefill_time
     if drafter is not None:
         scheduler.reset(drafter, verifier.model)
     for b, row in enumerate(rows):
@@ -117,8 +118,8 @@ def decode(
         schedule_time = time.perf_counter() - t0
         for row in active:
             room = max_length - row.ids.shape[1] - 1
-            if max_positions is not None:
-                room = min(room, max_positions - verifier.length(row.ctx.row) - 1)
+            if verifier.max_positions is not None:
+                room = min(room, verifier.max_positions - verifier.length(row.ctx.row) - 1)
             t1 = time.perf_counter()
             row.draft = Draft.empty(row.ids.device)
             if min(max_k, room) > 0:
@@ -163,11 +164,9 @@ def decode(
     total = time.perf_counter() - start
     if len(rows) == 1:
         stats = rows[0].stats
-    else:  # steps of every row; times of the call as a whole
+    else:  # steps of every row, their draft/verify/schedule shares summed; one prefill and one call
         stats = GenerationStats.combined([row.stats for row in rows])
-        stats.prefill_time = rows[0].stats.prefill_time
-        stats.draft_time, stats.verify_time, stats.schedule_time = (
-            sum(getattr(row.stats, name) for row in rows) for name in ("draft_time", "verify_time", "schedule_time"))
+        stats.prefill_time = prefill_time
     stats.total_time = total
     return DecodeResult([row.ids for row in rows], rows[0].scores, rows[0].logits, stats)
 

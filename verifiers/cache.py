@@ -46,8 +46,6 @@ class _RowLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if self.keys.shape[2] < self.owner.capacity:
-            self.keys, self.values = self.owner.grow(self.keys, 2), self.owner.grow(self.values, 2)
         self.owner.write(self.keys, key_states, dim=2)
         self.owner.write(self.values, value_states, dim=2)
         end = self.owner.end
@@ -58,7 +56,7 @@ class _RowLayer(CacheLayerMixin):
         return self.owner.lengths[0] + query_length, 0
 
     def get_seq_length(self) -> int:
-        return self.owner.lengths[0] if self.owner.lengths else 0
+        return self.owner.get_seq_length()
 
     def get_max_length(self) -> int:
         return self.owner.capacity
@@ -122,6 +120,9 @@ class SharedCache(Cache):
         """Make room for `slots` per row (geometric growth, so a long generation copies O(log n) times)."""
         if slots > self.capacity:
             self.capacity = max(slots, 2 * self.capacity)
+            for layer in self.layers:  # layers not yet initialised are allocated at the new capacity
+                if layer.is_initialized:
+                    layer.keys, layer.values = self.grow(layer.keys, 2), self.grow(layer.values, 2)
             if self.hidden is not None:
                 self.hidden = self.grow(self.hidden, 1)
             self.drafter_state = {name: self.grow(buffer, 1) for name, buffer in self.drafter_state.items()}
