@@ -52,6 +52,11 @@ class BlockDiffusionConfig:
     # Add each context token's own (normalised) embedding to its fused feature: the drafter then reads which token
     # sits where as directly as an AR drafter does, which copying from the context needs. Off in old checkpoints.
     context_tokens: bool = False
+    # A masked position takes the embedding of the nearest KNOWN token to its left and the mask embedding of its
+    # distance from it, instead of always the anchor's and its block index. A first pass is unchanged (only the
+    # anchor is known); once a pass or a lookup match fixes positions 1..j, position j+1 reads x_j at distance 1,
+    # as the first position reads the anchor. Off in old checkpoints.
+    known_token_input: bool = False
     verifier: dict = field(default_factory=dict)  # verifier_fingerprint() of the verifier it was trained for
 
     @classmethod
@@ -181,10 +186,16 @@ class BlockDiffusionModel(nn.Module):
         """Inputs [..., B, hidden] of a block from its token embeddings [..., B, hidden] (anchor first) and `known`
         [..., B]. Masked position i gets mask embedding i plus the anchor's embedding: every position then
         knows the anchor without attending to it, which an AR layer gets for free and a 1-layer block model
-        otherwise learns slowly. With `config.feature_input`, `last_feature` [..., hidden] (the fused feature of
+        otherwise learns slowly (with `config.known_token_input`: the nearest known token's and its distance's). With `config.feature_input`, `last_feature` [..., hidden] (the fused feature of
         the token before the anchor) is added to every position."""
         size = token_embeds.shape[-2]
-        masked = self.mask_embedding[:size].to(token_embeds.dtype) + token_embeds[..., :1, :]
+        if self.config.known_token_input:
+            index = torch.arange(size, device=known.device)
+            nearest = torch.where(known, index, 0).cummax(dim=-1).values  # the nearest known position at or left of i
+            left = token_embeds.gather(-2, nearest[..., None].expand_as(token_embeds))
+            masked = self.mask_embedding[index - nearest].to(token_embeds.dtype) + left
+        else:
+            masked = self.mask_embedding[:size].to(token_embeds.dtype) + token_embeds[..., :1, :]
         inputs = torch.where(known[..., None], token_embeds, masked)
         if self.config.feature_input:
             inputs = inputs + (self.feature_gate * last_feature)[..., None, :].to(inputs.dtype)
@@ -238,10 +249,13 @@ class BlockDiffusionDrafter(Drafter):
         block_size: positions per block at run time (anchor included), 2..the trained block size.
         lookup_ngram: if > 0, an n-gram match of at least this length in the context (prompt lookup)
             supplies the first block positions; the model fills in the rest given them. 0 turns it off.
+        lookup_tokens: the most tokens a lookup match may propose (default: the block's block_size - 1). A match
+            longer than the block is proposed whole, past the block: the verifier's answers repeat long spans
+            (docstrings, code), which a block of 8 would cut.
     """
 
     def __init__(self, model: BlockDiffusionModel, verifier, tokenizer=None, steps: int = 1, threshold: float = 0.9,
-                 block_size: int | None = None, lookup_ngram: int = 0):
+                 block_size: int | None = None, lookup_ngram: int = 0, lookup_tokens: int | None = None):
         c = model.config
         block_size = c.block_size if block_size is None else block_size
         if not 2 <= block_size <= c.block_size:
@@ -252,6 +266,11 @@ class BlockDiffusionDrafter(Drafter):
             raise ValueError(f"threshold must be in [0, 1], got {threshold}")
         if lookup_ngram < 0:
             raise ValueError(f"lookup_ngram must be >= 0, got {lookup_ngram}")
+        if lookup_tokens is not None and not lookup_ngram:
+            raise ValueError("lookup_tokens needs lookup_ngram >= 1 (it caps what a lookup match proposes)")
+        lookup_tokens = block_size - 1 if lookup_tokens is None else lookup_tokens
+        if lookup_tokens < 1:
+            raise ValueError(f"lookup_tokens must be >= 1, got {lookup_tokens}")
         check_fingerprint(c.verifier, verifier_fingerprint(verifier))
         # On the device of the verifier's head, i.e. its last layer when device_map spreads it over GPUs.
         self.device = verifier.get_output_embeddings().weight.device
@@ -260,12 +279,12 @@ class BlockDiffusionDrafter(Drafter):
         self.vocab_size = verifier.get_input_embeddings().weight.shape[0]
         self.tokenizer = tokenizer
         self.hidden_layers = tuple(c.target_layers)
-        self.block_size, self.max_draft_len = block_size, block_size - 1
-        self.steps, self.threshold, self.lookup_ngram = steps, threshold, lookup_ngram
+        self.block_size, self.max_draft_len = block_size, max(block_size - 1, lookup_tokens if lookup_ngram else 0)
+        self.steps, self.threshold, self.lookup_ngram, self.lookup_tokens = steps, threshold, lookup_ngram, lookup_tokens
         self.max_steps = steps
         weights = hashlib.sha256(b"".join(t.detach().cpu().float().numpy().tobytes() for t in model.state_dict().values()))
         # Schedulers keep acceptance statistics per drafter: another checkpoint or setting is another drafter.
-        self.fingerprint = f"{weights.hexdigest()[:12]}:b{block_size}:s{steps}:t{threshold}:l{lookup_ngram}"
+        self.fingerprint = f"{weights.hexdigest()[:12]}:b{block_size}:s{steps}:t{threshold}:l{lookup_ngram}:{lookup_tokens}"
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """The verifier's embedding of `ids`, on the drafter's device (the embedding may live on another GPU)."""
@@ -330,10 +349,14 @@ class BlockDiffusionDrafter(Drafter):
         known[0] = True
         given_confidence = torch.zeros(size - 1)  # for positions fixed before the last pass
         if self.lookup_ngram:
-            found, n = lookup_continuation(committed, self.lookup_ngram, max(self.lookup_ngram, 3), size - 1)
+            max_ngram = max(self.lookup_ngram, 3)
+            found, n = lookup_continuation(committed, self.lookup_ngram, max_ngram, self.lookup_tokens)
+            if found.shape[0] >= size - 1:  # the match fills the block (or runs past it): nothing left to denoise
+                found = found[:max_tokens]
+                return Draft(found.to(ctx.input_ids.device), None, torch.full(found.shape, n / (max_ngram + 1)))
             block[1 : 1 + found.shape[0]] = found
             known[1 : 1 + found.shape[0]] = True
-            given_confidence[: found.shape[0]] = n / (max(self.lookup_ngram, 3) + 1)  # as PromptLookupDrafter
+            given_confidence[: found.shape[0]] = n / (max_ngram + 1)  # as PromptLookupDrafter
         steps = self.steps if ctx.steps is None else min(ctx.steps, self.steps)
         for step in range(steps):
             logits = self.block_logits(ctx, block, known)

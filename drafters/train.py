@@ -31,7 +31,8 @@ import torch
 from tqdm import tqdm
 
 from drafters.ar_baseline import make_ar_model, save_ar_model
-from drafters.block_diffusion import BlockDiffusionConfig, BlockDiffusionModel, frozen_verifier_parts, save_model
+from drafters.block_diffusion import (BlockDiffusionConfig, BlockDiffusionModel, check_fingerprint, frozen_verifier_parts,
+                                      load_model, save_model, verifier_fingerprint)
 from drafters.corpus import chat_prompts
 from drafters.distill import (FeatureStore, build_features, generate_shards, interleave, load_sequences,
                               synthetic_user_turns)
@@ -265,6 +266,11 @@ def parser() -> argparse.ArgumentParser:
                    help="add the fused verifier feature before the anchor to every block input (block arch)")
     p.add_argument("--context-tokens", action=argparse.BooleanOptionalAction, default=True,
                    help="add each context token's embedding to its fused verifier feature (block arch)")
+    p.add_argument("--known-token-input", action=argparse.BooleanOptionalAction, default=False,
+                   help="masked positions read the nearest known token to their left, not always the anchor (block arch)")
+    p.add_argument("--init-from", type=Path, default=None,
+                   help="start from this block drafter checkpoint (its config, draft vocabulary and feature statistics; "
+                        "--known-token-input may switch that input on) instead of random weights")
     p.add_argument("--draft-vocab", type=int, default=4096, help="size of the draft vocabulary (the head's rows)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--gamma", type=float, default=2.0, help="position weight exp(-(i-1)/gamma)")
@@ -293,6 +299,8 @@ def main(argv=None) -> None:
     args = parser().parse_args(argv)
     if args.block_size < 2:
         parser().error("--block-size must be >= 2")
+    if args.init_from and args.arch != "block":
+        parser().error("--init-from starts a block drafter from a checkpoint: use it with --arch block")
     if args.threads:
         torch.set_num_threads(args.threads)
     from hybrid.default import load_verifier
@@ -328,36 +336,47 @@ def recipe_tag(args) -> str:
 
     keys = ("arch", "seqs_per_step", "anchors_per_seq", "block_size", "layers", "feature_input", "context_tokens", "draft_vocab", "lr",
             "gamma", "reveal_prob", "seed")
-    return f"s{args.seed}-" + hashlib.sha256(json.dumps([getattr(args, k) for k in keys]).encode()).hexdigest()[:8]
+    values = [getattr(args, k) for k in keys]
+    if args.known_token_input or args.init_from:  # recipes from before these options keep their tags (and resume)
+        values += [args.known_token_input, str(args.init_from)]
+    return f"s{args.seed}-" + hashlib.sha256(json.dumps(values).encode()).hexdigest()[:8]
 
 
 def train(args, verifier, store: FeatureStore, out: Path, run_dir: Path) -> dict:
     """Stage 3: train (or resume) `args.arch` on `store`; export the drafter to `out`; return a summary."""
     device = verifier.device
-    config = BlockDiffusionConfig.for_verifier(verifier, num_layers=args.layers, block_size=args.block_size,
-                                               draft_vocab_size=args.draft_vocab, feature_input=args.feature_input,
-                                               context_tokens=args.context_tokens)
+    if args.init_from and args.arch == "block":
+        block_model = load_model(args.init_from).float()
+        check_fingerprint(block_model.config.verifier, verifier_fingerprint(verifier))
+        block_model.config.known_token_input = args.known_token_input or block_model.config.known_token_input
+        config = block_model.config
+    else:
+        config = BlockDiffusionConfig.for_verifier(verifier, num_layers=args.layers, block_size=args.block_size,
+                                                   draft_vocab_size=args.draft_vocab, feature_input=args.feature_input,
+                                                   context_tokens=args.context_tokens, known_token_input=args.known_token_input)
     if tuple(store.layers) != tuple(config.target_layers):
         raise ValueError(f"features hold layers {store.layers}, the drafter needs {config.target_layers}: rebuild them")
     train_ids, held = split(store)
     answer_tokens = sum(int(store.offsets[i + 1] - store.offsets[i] - store.prompt_lens[i]) for i in train_ids)
     print(f"data: {len(train_ids)} training sequences ({answer_tokens} answer tokens), {len(held)} held out")
-    vocab, coverage = draft_vocabulary(store, train_ids, args.draft_vocab)
-    config.draft_vocab_size = len(vocab)
+    if not args.init_from:
+        vocab, coverage = draft_vocabulary(store, train_ids, args.draft_vocab)
+        print(f"draft vocabulary: {len(vocab)} tokens cover {coverage:.1%} of the verifier's greedy answer tokens")
+        config.draft_vocab_size = len(vocab)
+        torch.manual_seed(args.seed)
+        block_model = BlockDiffusionModel(config)
+        block_model.draft_vocab.copy_(vocab)
+        embedding_std = float(verifier.get_input_embeddings().weight.detach().std())
+        block_model.mask_embedding.data.normal_(std=embedding_std)
+        if config.feature_input:  # fused features have unit RMS: start them at the embeddings' scale
+            block_model.feature_gate.data.fill_(embedding_std)
+        shift, scale = feature_statistics(store, train_ids, args.seed)
+        block_model.feature_shift.copy_(shift)
+        block_model.feature_scale.copy_(scale)
+    vocab = block_model.draft_vocab.clone()
     vmap = VocabMap(vocab, verifier.get_input_embeddings().weight.shape[0])
-    print(f"draft vocabulary: {len(vocab)} tokens cover {coverage:.1%} of the verifier's greedy answer tokens")
-    shift, scale = feature_statistics(store, train_ids, args.seed)
     if device.type != "cpu" and args.arch == "block":
         store.move_hidden(device)
-    torch.manual_seed(args.seed)
-    block_model = BlockDiffusionModel(config)
-    block_model.draft_vocab.copy_(vocab)
-    embedding_std = float(verifier.get_input_embeddings().weight.detach().std())
-    block_model.mask_embedding.data.normal_(std=embedding_std)
-    if config.feature_input:  # fused features have unit RMS: start them at the embeddings' scale
-        block_model.feature_gate.data.fill_(embedding_std)
-    block_model.feature_shift.copy_(shift)
-    block_model.feature_scale.copy_(scale)
     embed, head = frozen_verifier_parts(verifier, vocab)
     if args.arch == "block":
         model = block_model
@@ -365,7 +384,7 @@ def train(args, verifier, store: FeatureStore, out: Path, run_dir: Path) -> dict
         model = make_ar_model(verifier, sum(p.numel() for p in trainable(block_model)))
     model.to(device)
     final_norm = getattr(verifier.base_model, "norm", None)
-    if final_norm is not None:  # start the output norm where the verifier's is, so its frozen head reads it
+    if final_norm is not None and not args.init_from:  # start the output norm where the verifier's is, so its frozen head reads it
         (model.norm if args.arch == "block" else model.model.norm).weight.data.copy_(final_norm.weight.data)
     params = trainable(model)
     print(f"{args.arch} drafter: {sum(p.numel() for p in params) / 1e6:.2f} M trainable parameters")
@@ -386,8 +405,8 @@ def train(args, verifier, store: FeatureStore, out: Path, run_dir: Path) -> dict
     if not anchors:
         raise ValueError("no held-out anchors (answers on the verifier's greedy chain): generate more data")
     print(f"held-out: {sum(len(a) for _, a in anchors)} anchors; prompt lookup tau there "
-          f"{lookup_tau(store, anchors, args.block_size):.2f}")
-    weights = position_weights(args.block_size, args.gamma).to(device)
+          f"{lookup_tau(store, anchors, config.block_size):.2f}")
+    weights = position_weights(config.block_size, args.gamma).to(device)
     record = {}
     model.train()
     interactive = sys.stderr.isatty()
@@ -399,7 +418,7 @@ def train(args, verifier, store: FeatureStore, out: Path, run_dir: Path) -> dict
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, planned, args.lr)
         if args.arch == "block":
-            batch = to_device(block_batch(store, seqs, rng, args.anchors_per_seq, args.block_size, vmap, args.reveal_prob), device)
+            batch = to_device(block_batch(store, seqs, rng, args.anchors_per_seq, config.block_size, vmap, args.reveal_prob), device)
             logits = block_forward(model, embed, head, batch)
             w = batch["loss_mask"] * weights
         else:
@@ -425,7 +444,7 @@ def train(args, verifier, store: FeatureStore, out: Path, run_dir: Path) -> dict
         bar.set_postfix(loss=f"{loss.item():.3f}", **({"tau": record["tau"]} if record else {}))
         evaluated = step % args.eval_every == 0 or step == planned
         if evaluated:
-            tau, by_pos = estimate_tau(args.arch, model, embed, head, store, anchors, vmap, vocab, args.block_size,
+            tau, by_pos = estimate_tau(args.arch, model, embed, head, store, anchors, vmap, vocab, config.block_size,
                                        device, chunk_size=max(4, args.seqs_per_step))
             record = {"tau": round(tau, 3), "accept_by_position": [round(float(x), 3) for x in by_pos]}
             export(args.arch, model, out)

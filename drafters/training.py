@@ -92,9 +92,11 @@ def distill_loss(logits, targets, soft_ids, soft_probs, weights, hard_weight: fl
 
 
 def accepted_lengths(predicted: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """Per anchor, how many leading predictions equal the (valid) targets: the greedy accepted length."""
+    """Per anchor, how many leading predictions equal the (valid) targets: the greedy accepted length.
+
+    The block positions are the last dimension: [..., B-1] in, [...] out."""
     hit = (predicted == targets) & valid
-    return hit.long().cumprod(dim=1).sum(dim=1)
+    return hit.long().cumprod(dim=-1).sum(dim=-1)
 
 
 def lr_at(step: int, total: int, peak: float, warmup: int = 50) -> float:

@@ -15,9 +15,14 @@ MAX_DRAFTED = shipped_block_size() - 1  # the shipped drafter's block minus its 
 
 
 @lru_cache(maxsize=None)
-def block(model, drafted: int, lookup: bool = False, steps: int = 1, path: Path = DRAFTER_DIR) -> BlockDiffusionDrafter:
+def block(model, drafted: int, lookup: bool = False, steps: int = 1, path: Path = DRAFTER_DIR,
+          long_lookup: bool = False) -> BlockDiffusionDrafter:
     """The shipped block-diffusion drafter proposing up to `drafted` tokens (block = anchor + drafted), with
-    `steps` denoising passes."""
+    `steps` denoising passes. With `long_lookup`, the block stays the trained one and a lookup match may propose
+    up to `drafted` tokens past it."""
+    if long_lookup:
+        return BlockDiffusionDrafter.from_pretrained(path, model, block_size=min(drafted, MAX_DRAFTED) + 1, steps=steps,
+                                                     lookup_ngram=DRAFTER_LOOKUP_NGRAM, lookup_tokens=drafted)
     return BlockDiffusionDrafter.from_pretrained(path, model, block_size=drafted + 1, steps=steps,
                                                  lookup_ngram=DRAFTER_LOOKUP_NGRAM if lookup else 0)
 

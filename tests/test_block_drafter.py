@@ -14,6 +14,7 @@ from drafters import BlockDiffusionDrafter, DraftContext
 from drafters.block_diffusion import CONFIG_NAME, WEIGHTS_NAME, frozen_verifier_parts, load_model
 from drafters.distill import build_features
 from drafters.train import block_batch, block_forward, parser, train
+from drafters.train import main as train_main
 from drafters.training import VocabMap, accepted_lengths, block_targets
 import hybrid
 from hybrid.testing import check_greedy_lossless
@@ -117,9 +118,11 @@ def test_context_rows_follow_a_rollback(world):
     torch.testing.assert_close(reused, drafting_logits(verifier, drafter, other, 22))
 
 
-def test_known_positions_condition_the_block_as_in_training(world):
+@pytest.mark.parametrize("known_token_input", [False, True])
+def test_known_positions_condition_the_block_as_in_training(world, known_token_input):
     """A block with some positions given (a later denoising pass, a lookup prefix) computes the same in both paths."""
-    verifier, drafter, store = world
+    verifier, _, store = world
+    drafter = random_block_drafter(verifier, seed=0, block_size=BLOCK, known_token_input=known_token_input)
     ids = torch.tensor(store.sequence(0)["ids"], dtype=torch.long)
     _, batch = training_logits(drafter, verifier, store, [9])
     batch["known"][0, 0, 1:3] = True
@@ -131,6 +134,24 @@ def test_known_positions_condition_the_block_as_in_training(world):
     torch.testing.assert_close(drafting_logits(verifier, drafter, ids, 9, block, known), trained[0], atol=1e-3, rtol=1e-3)
 
 
+def test_known_token_input_reads_the_nearest_known_token_at_its_distance(world):
+    verifier, _, _ = world
+    model = random_block_drafter(verifier, seed=0, block_size=BLOCK, known_token_input=True).model
+    embeds = torch.randn(BLOCK, model.config.hidden_size)
+    last = torch.randn(model.config.hidden_size)
+    first_pass = torch.arange(BLOCK) == 0
+    inputs = model.block_inputs(embeds, first_pass, last)
+    gate = model.feature_gate * last
+    # A first pass: every masked position reads the anchor at its block index, as without the option.
+    torch.testing.assert_close(inputs[3], model.mask_embedding[3] + embeds[0] + gate)
+    # Positions 1-2 known (and 4): position 3 reads token 2 at distance 1, position 5 token 4 at distance 1.
+    known = torch.tensor([True, True, True, False, True, False])
+    inputs = model.block_inputs(embeds, known, last)
+    torch.testing.assert_close(inputs[3], model.mask_embedding[1] + embeds[2] + gate)
+    torch.testing.assert_close(inputs[5], model.mask_embedding[1] + embeds[4] + gate)
+    torch.testing.assert_close(inputs[2], embeds[2] + gate)  # a known position is its own token
+
+
 def test_block_targets_are_exact_only_along_the_greedy_chain():
     ids = np.array([0, 1, 2, 3, 9, 5, 6])
     greedy = np.array([1, 2, 3, 4, 5, 6, 7])  # the text leaves the chain at position 4 (9 != 4)
@@ -138,6 +159,15 @@ def test_block_targets_are_exact_only_along_the_greedy_chain():
     assert full[0].tolist() == [2, 3, 4, 5]
     assert valid[0].tolist() == [True, True, True, False]  # position 4's target follows the off-chain 9
     assert accepted_lengths(torch.tensor([[2, 3, 0, 5]]), torch.tensor(full), torch.tensor(valid)).tolist() == [2]
+
+
+def test_accepted_lengths_count_along_the_block_of_each_anchor():
+    # [sequences, anchors, block positions]: the count runs along each anchor's block, never across anchors.
+    targets = torch.tensor([[[5, 6, 7], [1, 2, 3]], [[4, 4, 4], [8, 9, 9]]])
+    predicted = torch.tensor([[[5, 6, 0], [0, 2, 3]], [[4, 4, 4], [8, 0, 9]]])
+    valid = torch.ones_like(targets, dtype=torch.bool)
+    valid[1, 0, 2] = False  # an exact target ends the chain: no acceptance past it
+    assert accepted_lengths(predicted, targets, valid).tolist() == [[2, 0], [2, 1]]
 
 
 def test_save_load_round_trip_and_checks(world, tmp_path):
@@ -164,13 +194,31 @@ def test_save_load_round_trip_and_checks(world, tmp_path):
         load_model(broken)
 
 
-@pytest.mark.parametrize("steps,lookup", [(1, 0), (3, 0), (2, 2)])
-def test_engine_with_block_drafter_matches_generate(steps, lookup):
+@pytest.mark.parametrize("steps,lookup,lookup_tokens", [(1, 0, None), (3, 0, None), (2, 2, None), (1, 1, 15)])
+def test_engine_with_block_drafter_matches_generate(steps, lookup, lookup_tokens):
     verifier = tiny_model("qwen2", VOCAB, 2, seed=7)
     drafter = random_block_drafter(verifier, seed=1, draft_vocab_size=40, block_size=8, steps=steps, threshold=0.2,
-                                   lookup_ngram=lookup)
+                                   lookup_ngram=lookup, lookup_tokens=lookup_tokens)
     report = check_greedy_lossless(verifier, torch.tensor([[5, 9, 5, 9, 3]]), drafter, max_new_tokens=40)
     assert sum(report.stats.drafted) > 0
+
+
+def test_a_lookup_match_longer_than_the_block_is_proposed_whole(world):
+    verifier, _, _ = world
+    ids = torch.tensor([7, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11, 7])  # the last token, 7, was seen before: 1, 2, ... followed it
+    v = Verifier(verifier, hidden_layers=(1,))
+    v.prefill(ids[None, :-1], None, capacity=64)
+    ctx = DraftContext(ids[None], 0, False, LogitsProcessorList(), None, v)
+    long = random_block_drafter(verifier, seed=0, block_size=4, lookup_ngram=1, lookup_tokens=9)
+    short = random_block_drafter(verifier, seed=0, block_size=4, lookup_ngram=1)
+    assert long.max_draft_len == 9 and short.max_draft_len == 3
+    assert long.propose(ctx, 9).tokens.tolist() == [1, 2, 3, 4, 5, 6, 8, 9, 10]
+    assert long.propose(ctx, 5).tokens.tolist() == [1, 2, 3, 4, 5]  # the scheduler's k still caps it
+    assert short.propose(ctx, 9).tokens.tolist() == [1, 2, 3]
+    with pytest.raises(ValueError, match="lookup_tokens needs lookup_ngram"):
+        random_block_drafter(verifier, seed=0, lookup_tokens=9)
+    with pytest.raises(ValueError, match="lookup_tokens must be >= 1"):
+        random_block_drafter(verifier, seed=0, lookup_ngram=1, lookup_tokens=0)
 
 
 @pytest.mark.parametrize("chosen", [1, 2, 3])
@@ -204,3 +252,18 @@ def test_training_runs_and_resumes_exactly(world, tmp_path, arch):
         torch.testing.assert_close(a[name], b[name], msg=name)
     if arch == "block":  # the exported drafter loads for its verifier
         BlockDiffusionDrafter.from_pretrained(tmp_path / "a-out", verifier)
+
+
+def test_training_can_start_from_a_checkpoint_and_switch_on_known_token_input(world, tmp_path):
+    verifier, drafter, store = world
+    drafter.save_pretrained(tmp_path / "base")
+    args = parser().parse_args(["--init-from", str(tmp_path / "base"), "--known-token-input", "--steps", "1",
+                                "--seqs-per-step", "2", "--anchors-per-seq", "4", "--eval-every", "1", "--lr", "0"])
+    train(args, verifier, store, tmp_path / "out", tmp_path / "run")
+    tuned = BlockDiffusionDrafter.from_pretrained(tmp_path / "out", verifier)
+    assert tuned.model.config.known_token_input and tuned.model.config.block_size == BLOCK
+    # lr 0: the weights are the checkpoint's (saved in bfloat16), the draft vocabulary and feature statistics too.
+    for (name, a), (_, b) in zip(drafter.model.state_dict().items(), tuned.model.state_dict().items()):
+        torch.testing.assert_close(a.to(torch.bfloat16).to(a.dtype), b, msg=name)
+    with pytest.raises(SystemExit):  # the AR baseline has no block checkpoint to start from
+        train_main(["--arch", "ar", "--init-from", str(tmp_path / "base")])

@@ -77,7 +77,8 @@ def tiny():
     return model, prompt, sequence_distribution(model, prompt, NEW_TOKENS, **WARPERS)
 
 
-@pytest.mark.parametrize("drafter_kind", ["model", "self", "lookup", "adversarial", "block", "block-steps-lookup"])
+@pytest.mark.parametrize("drafter_kind", ["model", "self", "lookup", "adversarial", "block", "block-steps-lookup",
+                                          "block-long-lookup"])
 def test_generated_sequences_follow_ar_sampling(tiny, drafter_kind):
     """2,000 sequences of 3 tokens (4-token vocabulary, T=0.7, top-k 3) pass a chi-square goodness-of-fit
     test, at level 1e-3, against the exact distribution of plain AR sampling."""
@@ -91,6 +92,8 @@ def test_generated_sequences_follow_ar_sampling(tiny, drafter_kind):
         # Several denoising passes fix tokens left to right, and lookup tokens come first: still exact.
         "block-steps-lookup": lambda: random_block_drafter(model, seed=4, block_size=4, steps=3, threshold=0.3,
                                                            lookup_ngram=1),
+        # Lookup matches longer than the block are proposed whole (deterministic tokens past the block).
+        "block-long-lookup": lambda: random_block_drafter(model, seed=4, block_size=3, lookup_ngram=1, lookup_tokens=6),
     }[drafter_kind]()
     gen = torch.Generator().manual_seed(1234)
     counts, drafted = Counter(), 0
