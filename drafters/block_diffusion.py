@@ -186,8 +186,9 @@ class BlockDiffusionModel(nn.Module):
         """Inputs [..., B, hidden] of a block from its token embeddings [..., B, hidden] (anchor first) and `known`
         [..., B]. Masked position i gets mask embedding i plus the anchor's embedding: every position then
         knows the anchor without attending to it, which an AR layer gets for free and a 1-layer block model
-        otherwise learns slowly (with `config.known_token_input`: the nearest known token's and its distance's). With `config.feature_input`, `last_feature` [..., hidden] (the fused feature of
-        the token before the anchor) is added to every position."""
+        otherwise learns slowly (with `config.known_token_input`: the nearest known token's and its distance's).
+        With `config.feature_input`, `last_feature` [..., hidden] (the fused feature of the token before the
+        anchor) is added to every position."""
         size = token_embeds.shape[-2]
         if self.config.known_token_input:
             index = torch.arange(size, device=known.device)
@@ -279,12 +280,14 @@ class BlockDiffusionDrafter(Drafter):
         self.vocab_size = verifier.get_input_embeddings().weight.shape[0]
         self.tokenizer = tokenizer
         self.hidden_layers = tuple(c.target_layers)
-        self.block_size, self.max_draft_len = block_size, max(block_size - 1, lookup_tokens if lookup_ngram else 0)
+        self.block_size, self.max_draft_len = block_size, max(block_size - 1, lookup_tokens)
         self.steps, self.threshold, self.lookup_ngram, self.lookup_tokens = steps, threshold, lookup_ngram, lookup_tokens
         self.max_steps = steps
         weights = hashlib.sha256(b"".join(t.detach().cpu().float().numpy().tobytes() for t in model.state_dict().values()))
         # Schedulers keep acceptance statistics per drafter: another checkpoint or setting is another drafter.
-        self.fingerprint = f"{weights.hexdigest()[:12]}:b{block_size}:s{steps}:t{threshold}:l{lookup_ngram}:{lookup_tokens}"
+        self.fingerprint = f"{weights.hexdigest()[:12]}:b{block_size}:s{steps}:t{threshold}:l{lookup_ngram}"
+        if lookup_tokens != block_size - 1:  # matches past the block are another drafter; the default keeps its name
+            self.fingerprint += f":lt{lookup_tokens}"
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """The verifier's embedding of `ids`, on the drafter's device (the embedding may live on another GPU)."""
@@ -351,12 +354,13 @@ class BlockDiffusionDrafter(Drafter):
         if self.lookup_ngram:
             max_ngram = max(self.lookup_ngram, 3)
             found, n = lookup_continuation(committed, self.lookup_ngram, max_ngram, self.lookup_tokens)
+            match_confidence = n / (max_ngram + 1)  # as PromptLookupDrafter's
             if found.shape[0] >= size - 1:  # the match fills the block (or runs past it): nothing left to denoise
                 found = found[:max_tokens]
-                return Draft(found.to(ctx.input_ids.device), None, torch.full(found.shape, n / (max_ngram + 1)))
+                return Draft(found.to(ctx.input_ids.device), None, torch.full(found.shape, match_confidence))
             block[1 : 1 + found.shape[0]] = found
             known[1 : 1 + found.shape[0]] = True
-            given_confidence[: found.shape[0]] = n / (max_ngram + 1)  # as PromptLookupDrafter
+            given_confidence[: found.shape[0]] = match_confidence
         steps = self.steps if ctx.steps is None else min(ctx.steps, self.steps)
         for step in range(steps):
             logits = self.block_logits(ctx, block, known)

@@ -342,37 +342,47 @@ def recipe_tag(args) -> str:
     return f"s{args.seed}-" + hashlib.sha256(json.dumps(values).encode()).hexdigest()[:8]
 
 
-def train(args, verifier, store: FeatureStore, out: Path, run_dir: Path) -> dict:
-    """Stage 3: train (or resume) `args.arch` on `store`; export the drafter to `out`; return a summary."""
-    device = verifier.device
-    if args.init_from and args.arch == "block":
-        block_model = load_model(args.init_from).float()
-        check_fingerprint(block_model.config.verifier, verifier_fingerprint(verifier))
-        block_model.config.known_token_input = args.known_token_input or block_model.config.known_token_input
-        config = block_model.config
+def initial_block_model(args, verifier, store: FeatureStore, train_ids: list[int]) -> BlockDiffusionModel:
+    """The block model training starts from: `--init-from`'s checkpoint, or fresh weights with a draft vocabulary
+    and feature statistics taken from the training answers. (The AR baseline takes its trainable budget from it.)"""
+    start = args.init_from and args.arch == "block"
+    if start:
+        model = load_model(args.init_from).float()
+        check_fingerprint(model.config.verifier, verifier_fingerprint(verifier))
+        model.config.known_token_input = args.known_token_input or model.config.known_token_input
+        config = model.config
     else:
         config = BlockDiffusionConfig.for_verifier(verifier, num_layers=args.layers, block_size=args.block_size,
                                                    draft_vocab_size=args.draft_vocab, feature_input=args.feature_input,
                                                    context_tokens=args.context_tokens, known_token_input=args.known_token_input)
     if tuple(store.layers) != tuple(config.target_layers):
         raise ValueError(f"features hold layers {store.layers}, the drafter needs {config.target_layers}: rebuild them")
+    if start:
+        return model
+    vocab, coverage = draft_vocabulary(store, train_ids, args.draft_vocab)
+    print(f"draft vocabulary: {len(vocab)} tokens cover {coverage:.1%} of the verifier's greedy answer tokens")
+    config.draft_vocab_size = len(vocab)
+    torch.manual_seed(args.seed)
+    model = BlockDiffusionModel(config)
+    model.draft_vocab.copy_(vocab)
+    embedding_std = float(verifier.get_input_embeddings().weight.detach().std())
+    model.mask_embedding.data.normal_(std=embedding_std)
+    if config.feature_input:  # fused features have unit RMS: start them at the embeddings' scale
+        model.feature_gate.data.fill_(embedding_std)
+    shift, scale = feature_statistics(store, train_ids, args.seed)
+    model.feature_shift.copy_(shift)
+    model.feature_scale.copy_(scale)
+    return model
+
+
+def train(args, verifier, store: FeatureStore, out: Path, run_dir: Path) -> dict:
+    """Stage 3: train (or resume) `args.arch` on `store`; export the drafter to `out`; return a summary."""
+    device = verifier.device
     train_ids, held = split(store)
     answer_tokens = sum(int(store.offsets[i + 1] - store.offsets[i] - store.prompt_lens[i]) for i in train_ids)
     print(f"data: {len(train_ids)} training sequences ({answer_tokens} answer tokens), {len(held)} held out")
-    if not args.init_from:
-        vocab, coverage = draft_vocabulary(store, train_ids, args.draft_vocab)
-        print(f"draft vocabulary: {len(vocab)} tokens cover {coverage:.1%} of the verifier's greedy answer tokens")
-        config.draft_vocab_size = len(vocab)
-        torch.manual_seed(args.seed)
-        block_model = BlockDiffusionModel(config)
-        block_model.draft_vocab.copy_(vocab)
-        embedding_std = float(verifier.get_input_embeddings().weight.detach().std())
-        block_model.mask_embedding.data.normal_(std=embedding_std)
-        if config.feature_input:  # fused features have unit RMS: start them at the embeddings' scale
-            block_model.feature_gate.data.fill_(embedding_std)
-        shift, scale = feature_statistics(store, train_ids, args.seed)
-        block_model.feature_shift.copy_(shift)
-        block_model.feature_scale.copy_(scale)
+    block_model = initial_block_model(args, verifier, store, train_ids)
+    config = block_model.config
     vocab = block_model.draft_vocab.clone()
     vmap = VocabMap(vocab, verifier.get_input_embeddings().weight.shape[0])
     if device.type != "cpu" and args.arch == "block":

@@ -20,11 +20,10 @@ def block(model, drafted: int, lookup: bool = False, steps: int = 1, path: Path 
     """The shipped block-diffusion drafter proposing up to `drafted` tokens (block = anchor + drafted), with
     `steps` denoising passes. With `long_lookup`, the block stays the trained one and a lookup match may propose
     up to `drafted` tokens past it."""
-    if long_lookup:
-        return BlockDiffusionDrafter.from_pretrained(path, model, block_size=min(drafted, MAX_DRAFTED) + 1, steps=steps,
-                                                     lookup_ngram=DRAFTER_LOOKUP_NGRAM, lookup_tokens=drafted)
-    return BlockDiffusionDrafter.from_pretrained(path, model, block_size=drafted + 1, steps=steps,
-                                                 lookup_ngram=DRAFTER_LOOKUP_NGRAM if lookup else 0)
+    return BlockDiffusionDrafter.from_pretrained(
+        path, model, block_size=min(drafted, MAX_DRAFTED) + 1 if long_lookup else drafted + 1, steps=steps,
+        lookup_ngram=DRAFTER_LOOKUP_NGRAM if lookup or long_lookup else 0, lookup_tokens=drafted if long_lookup else None,
+    )  # fmt: skip
 
 
 @lru_cache(maxsize=None)
