@@ -46,7 +46,10 @@ DEFAULT_WORK_DIR = Path.home() / ".cache" / "hybrid" / "drafter"
 # -- data split ---------------------------------------------------------------------------------------
 
 
-def split(store: FeatureStore, every: int = 20) -> tuple[list[int], list[int]]:
+HELD_OUT_EVERY = 20  # every 20th generated answer is held out of training
+
+
+def split(store: FeatureStore, every: int = HELD_OUT_EVERY) -> tuple[list[int], list[int]]:
     """(train, held-out): every `every`-th generated answer is held out; documents all train."""
     generated = [i for i in range(len(store)) if store.sources[i] == "generated"]
     held = set(generated[::every])
@@ -189,11 +192,26 @@ def held_out_anchors(store, held, per_seq: int, seed: int) -> list[tuple[int, np
     return out
 
 
+def greedy_block_drafts(model, embed, head, vocab, batch, passes: int = 1) -> torch.Tensor:
+    """Greedy drafts [S, A, B-1] (full-vocabulary ids) of a `block_batch`'s anchors after `passes` denoising passes,
+    each after the first with one more leading position fixed to the model's own prediction (what
+    `BlockDiffusionDrafter` drafts with threshold 1)."""
+    tokens, known = batch["tokens"].clone(), batch["known"].clone()
+    for fixed in range(1, passes + 1):
+        predicted = vocab[block_forward(model, embed, head, {**batch, "tokens": tokens, "known": known}).argmax(-1)]
+        if fixed == passes or fixed == tokens.shape[-1] - 1:
+            break
+        tokens[..., fixed], known[..., fixed] = predicted[..., fixed - 1], True
+    return torch.where(known[..., 1:], tokens[..., 1:], predicted)
+
+
 @torch.no_grad()
 def estimate_tau(arch, model, embed, head, store, anchors, vmap, vocab, block_size, device="cpu",
-                 chunk_size: int = 4) -> tuple[float, np.ndarray]:
+                 chunk_size: int = 4, passes: int = 1) -> tuple[float, np.ndarray]:
     """tau = 1 + mean accepted length of one greedy draft of block_size - 1 tokens per held-out anchor,
-    and the acceptance rate by block position (share of anchors whose first i drafts are all accepted)."""
+    and the acceptance rate by block position (share of anchors whose first i drafts are all accepted).
+    A block drafter runs `passes` denoising passes, each after the first with one more leading position fixed
+    to its own prediction (`BlockDiffusionDrafter` with threshold 1)."""
     model.eval()
     lengths = []
     vocab = vocab.to(device)
@@ -203,7 +221,7 @@ def estimate_tau(arch, model, embed, head, store, anchors, vmap, vocab, block_si
             batch = block_batch(store, [i for i, _ in chunk], None, max(len(a) for _, a in chunk), block_size, vmap,
                                 anchors=[a for _, a in chunk])
             batch = to_device(batch, device)
-            predicted = vocab[block_forward(model, embed, head, batch).argmax(-1)]
+            predicted = greedy_block_drafts(model, embed, head, vocab, batch, passes)
             got = accepted_lengths(predicted, batch["full_targets"], batch["valid"])
             lengths += [got[r, : len(a)] for r, (_, a) in enumerate(chunk)]
         else:

@@ -84,7 +84,7 @@ DRAFTERS: dict[str, DrafterEntry | None] = {
                                         max_block_size=trained_drafters.MAX_DRAFTED),
     # The trained block with lookup matches proposed up to the block size asked for (15 by default), past the block.
     "block-long-lookup": DrafterEntry(lambda block, reference, model: trained_drafters.block(model, block, long_lookup=True),
-                                      default_block_size=15),
+                                      default_block_size=trained_drafters.LONG_LOOKUP_TOKENS),
     # The 1-layer AR baseline of the same trainable budget (`python -m drafters.train --arch ar`).
     "ar": DrafterEntry(lambda block, reference, model: trained_drafters.ar(model, block), default_block_size=6),
 }

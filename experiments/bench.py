@@ -41,10 +41,10 @@ from hybrid.prompts import encode_prompt
 from schedulers import FixedScheduler
 from schedulers.registry import NAMES_HELP, check_scheduler_name, make_scheduler
 
-METHODS = ("plain", "hf-lookup", "hybrid-none", "hybrid-lookup", "hybrid-block", "hybrid-block-lookup", "hybrid-ar",
-           "oracle")
+METHODS = ("plain", "hf-lookup", "hybrid-none", "hybrid-lookup", "hybrid-block", "hybrid-block-lookup",
+           "hybrid-block-long-lookup", "hybrid-ar", "oracle")
 DEFAULT_METHODS = ("plain", "hf-lookup", "hybrid-none", "hybrid-lookup", "hybrid-block-lookup", "oracle")
-TRAINED = ("hybrid-block", "hybrid-block-lookup", "hybrid-ar")  # drafters trained for the default verifier
+TRAINED = ("hybrid-block", "hybrid-block-lookup", "hybrid-block-long-lookup", "hybrid-ar")  # drafters trained for the default verifier
 RECORDS_FILE = "bench.jsonl"
 _SCHEDULERS: dict[str, object] = {}  # one per "method@scheduler", kept across prompts as the default one is
 
@@ -64,6 +64,7 @@ def make_drafter(method: str, model, reference: torch.Tensor):
         "hybrid-lookup": PromptLookupDrafter,
         "hybrid-block": lambda: trained_drafters.block(model, drafted),
         "hybrid-block-lookup": lambda: trained_drafters.block(model, drafted, lookup=True),
+        "hybrid-block-long-lookup": lambda: trained_drafters.block(model, trained_drafters.LONG_LOOKUP_TOKENS, long_lookup=True),
         "hybrid-ar": lambda: trained_drafters.ar(model, drafted),
         "oracle": lambda: OracleDrafter(reference),
     }[method]()

@@ -12,6 +12,7 @@ from hybrid.default import DRAFTER_DIR, DRAFTER_LOOKUP_NGRAM, shipped_block_size
 
 AR_DIR = DEFAULT_WORK_DIR / "ar-drafter"
 MAX_DRAFTED = shipped_block_size() - 1  # the shipped drafter's block minus its anchor
+LONG_LOOKUP_TOKENS = 15  # what a lookup match may propose past the block with `long_lookup`
 
 
 @lru_cache(maxsize=None)

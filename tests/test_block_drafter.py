@@ -13,7 +13,7 @@ from transformers import LogitsProcessorList
 from drafters import BlockDiffusionDrafter, DraftContext
 from drafters.block_diffusion import CONFIG_NAME, WEIGHTS_NAME, frozen_verifier_parts, load_model
 from drafters.distill import build_features
-from drafters.train import block_batch, block_forward, parser, train
+from drafters.train import block_batch, block_forward, greedy_block_drafts, parser, train
 from drafters.train import main as train_main
 from drafters.training import VocabMap, accepted_lengths, block_targets
 import hybrid
@@ -267,3 +267,27 @@ def test_training_can_start_from_a_checkpoint_and_switch_on_known_token_input(wo
         torch.testing.assert_close(a.to(torch.bfloat16).to(a.dtype), b, msg=name)
     with pytest.raises(SystemExit):  # the AR baseline has no block checkpoint to start from
         train_main(["--arch", "ar", "--init-from", str(tmp_path / "base")])
+
+
+@pytest.mark.parametrize("passes", [1, 3, BLOCK])
+def test_the_held_out_estimate_scores_what_the_drafter_proposes(world, passes):
+    """The estimate of the training logs and experiments.heldout drafts, anchor by anchor, exactly the tokens the
+    drafter proposes at draft time with one more leading position fixed per pass (threshold 1)."""
+    verifier, _, store = world
+    drafter = random_block_drafter(verifier, seed=3, block_size=BLOCK, steps=passes, threshold=1.0, known_token_input=True)
+    ids = torch.tensor(store.sequence(0)["ids"], dtype=torch.long)
+    anchors = [5, 12, 20, 27]
+    _, batch = training_logits(drafter, verifier, store, anchors)
+    embed, head = frozen_verifier_parts(verifier, drafter.model.draft_vocab)
+    with torch.no_grad():
+        drafted = greedy_block_drafts(drafter.model, embed, head, drafter.model.draft_vocab, batch, passes)[0]
+    for j, a in enumerate(anchors):
+        v = Verifier(verifier, hidden_layers=drafter.hidden_layers)
+        v.prefill(ids[None, :a], None, capacity=64)
+        ctx = DraftContext(ids[None, : a + 1], 0, False, LogitsProcessorList(), None, v)
+        drafter.reset(ctx)
+        assert drafter.propose(ctx, BLOCK - 1).tokens.tolist() == drafted[j].tolist()
+    if passes > 1:  # the passes matter: one pass drafts otherwise
+        with torch.no_grad():
+            one_pass = greedy_block_drafts(drafter.model, embed, head, drafter.model.draft_vocab, batch, 1)[0]
+        assert not torch.equal(one_pass, drafted)

@@ -228,3 +228,26 @@ def test_warns_when_accelerate_cpu_launch_started_one_process(monkeypatch):
     assert acceptance.started_alone_by_accelerate()
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert not acceptance.started_alone_by_accelerate()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ([], "holds no gen-*.json answers"),
+        (["--ar", "x"], "--ar needs a --block checkpoint"),
+        (["--passes", "0"], "--passes '0': every value must be >= 1"),
+        (["--lookup", "7,x"], "--lookup '7,x': give comma-separated integers"),
+    ],
+)
+def test_heldout_bad_input_fails_before_any_model_loads(args, message, capsys, tmp_path):
+    from experiments import heldout
+
+    answers = tmp_path / "answers"
+    answers.mkdir()
+    if args:  # every case but the first has answers to read
+        (answers / "gen-00000.json").write_text("[]")
+    with pytest.raises(SystemExit) as exit_info:
+        heldout.main(["--answers", str(answers), "--work-dir", str(tmp_path / "work")] + args)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "work").exists()

@@ -1,0 +1,135 @@
+"""Held-out acceptance of trained drafters on answers they were not trained on, offline (no decoding).
+
+    python -m experiments.heldout --answers ~/.cache/hybrid/drafter-gpu/generated-b512-syn8000 \
+        --block drafters/checkpoints/smollm2-135m-block --ar ~/.cache/hybrid/drafter/ar-drafter --passes 1,2,3,7
+
+`--answers` is a folder of verifier answers written by the generate stage of `drafters.train`. The
+held-out answers are the ones training holds out of that folder (every 20th generated answer,
+`drafters.train.split`); `--exclude-prompts-of` drops those whose prompt also appears in another
+answers folder (say, the data a fine-tune saw). Their verifier features are computed once and cached
+under `--work-dir`. For 8 anchors per answer it prints the estimate `drafters.train` logs while training:
+tau of one greedy block per anchor and the share of anchors whose first i drafts are all accepted, for
+prompt lookup, every `--block` checkpoint (with 1, 2, ... denoising passes) and every `--ar` baseline.
+`--reveal` also prints each block checkpoint's teacher-forced accuracy by position with and without the
+true first token given, which shows whether the model reads known block tokens at all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from drafters.ar_baseline import load_ar_model
+from drafters.block_diffusion import frozen_verifier_parts, load_model
+from drafters.distill import FeatureStore, build_features, load_sequences
+from drafters.train import DEFAULT_WORK_DIR, HELD_OUT_EVERY, block_batch, block_forward, estimate_tau, held_out_anchors, lookup_tau
+from drafters.training import VocabMap
+
+ANCHORS_PER_ANSWER = 8
+
+
+def prompts_of(answers: Path) -> set[tuple[int, ...]]:
+    return {tuple(r["ids"][: r["prompt_len"]]) for f in sorted(answers.glob("gen-*.json")) for r in json.loads(f.read_text())}
+
+
+def held_out_store(verifier, tokenizer, answers: Path, exclude: Path | None, work_dir: Path, layers) -> FeatureStore:
+    """Features of the answers training holds out of `answers` (minus prompts seen in `exclude`), cached."""
+    generated = [s for s in load_sequences(answers, tokenizer, doc_tokens=0) if s["source"] == "generated"]
+    held = generated[::HELD_OUT_EVERY]
+    if exclude is not None:
+        seen = prompts_of(exclude)
+        held = [s for s in held if tuple(s["ids"][: s["prompt_len"]]) not in seen]
+    key = hashlib.sha256(json.dumps([str(answers.resolve()), str(exclude and exclude.resolve()), list(layers)]).encode())
+    root = work_dir / f"heldout-{answers.name}-{key.hexdigest()[:8]}"
+    print(f"{len(held)} held-out answers ({sum(len(s['ids']) for s in held)} tokens); features in {root}", flush=True)
+    return build_features(verifier, held, root, tuple(layers))
+
+
+def reveal_accuracy(model, embed, head, store, anchors, vmap, revealed: int) -> np.ndarray:
+    """Teacher-forced accuracy per block position when the true tokens of positions 1..`revealed` are given."""
+    B, vocab = model.config.block_size, model.draft_vocab
+    hits, valid = np.zeros(B - 1), np.zeros(B - 1)
+    with torch.no_grad():
+        for start in range(0, len(anchors), 4):
+            chunk = anchors[start : start + 4]
+            batch = block_batch(store, [i for i, _ in chunk], None, max(len(a) for _, a in chunk), B, vmap,
+                                anchors=[a for _, a in chunk])  # fmt: skip
+            batch["known"][..., 1 : 1 + revealed] = True
+            predicted = vocab[block_forward(model, embed, head, batch).argmax(-1)]
+            hits += ((predicted == batch["full_targets"]) & batch["valid"]).sum((0, 1)).numpy()
+            valid += batch["valid"].sum((0, 1)).numpy()
+    return hits / np.maximum(valid, 1)
+
+
+def positive_ints(parser, option: str, text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        parser.error(f"{option} {text!r}: give comma-separated integers, e.g. 1,2,3")
+    if min(values) < 1:
+        parser.error(f"{option} {text!r}: every value must be >= 1")
+    return values
+
+
+def row(name: str, tau: float, by_position) -> str:
+    return f"| {name} | {tau:.3f} | {' / '.join(f'{x:.3f}' for x in by_position)} |"
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m experiments.heldout", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--answers", type=Path, required=True, help="a folder of gen-*.json answers (drafters.train)")
+    parser.add_argument("--exclude-prompts-of", type=Path, default=None, help="drop held-out answers prompted in this folder")
+    parser.add_argument("--block", type=Path, action="append", default=[], help="a block drafter checkpoint (repeatable)")
+    parser.add_argument("--ar", type=Path, action="append", default=[], help="an AR baseline checkpoint (repeatable)")
+    parser.add_argument("--passes", default="1", help="denoising passes to score the block drafters with, e.g. 1,2,3")
+    parser.add_argument("--lookup", default="7,15", help="prompt lookup's draft lengths")
+    parser.add_argument("--reveal", action="store_true", help="also the teacher-forced accuracy with the first token given")
+    parser.add_argument("--work-dir", type=Path, default=DEFAULT_WORK_DIR)
+    args = parser.parse_args(argv)
+    for folder in [args.answers] + ([args.exclude_prompts_of] if args.exclude_prompts_of else []):
+        if not any(folder.glob("gen-*.json")):
+            parser.error(f"{folder} holds no gen-*.json answers: pass the generate stage's folder of `drafters.train`")
+    if args.ar and not args.block:
+        parser.error("--ar needs a --block checkpoint: the baseline drafts over that drafter's vocabulary, as in training")
+    passes, lookups = positive_ints(parser, "--passes", args.passes), positive_ints(parser, "--lookup", args.lookup)
+    torch.set_grad_enabled(False)
+    from hybrid.default import load_verifier
+
+    verifier, tokenizer = load_verifier("cpu")
+    blocks = [(path, load_model(path).float()) for path in args.block]
+    layers = blocks[0][1].config.target_layers if blocks else (2, 9, 16, 23, 30)
+    store = held_out_store(verifier, tokenizer, args.answers, args.exclude_prompts_of, args.work_dir, layers)
+    anchors = held_out_anchors(store, list(range(len(store))), per_seq=ANCHORS_PER_ANSWER, seed=0)
+    print(f"{sum(len(a) for _, a in anchors)} anchors\n\n| drafter | held-out tau | accepted at positions 1 / 2 / ... |\n|---|---:|---|")
+    for n in lookups:
+        print(f"| prompt lookup, {n} tokens | {lookup_tau(store, anchors, n + 1):.3f} | |")
+    vocab_size = verifier.get_input_embeddings().weight.shape[0]
+    for path, model in blocks:
+        embed, head = frozen_verifier_parts(verifier, model.draft_vocab)
+        vmap = VocabMap(model.draft_vocab, vocab_size)
+        for p in passes:
+            tau, by_position = estimate_tau("block", model, embed, head, store, anchors, vmap, model.draft_vocab,
+                                            model.config.block_size, passes=p)  # fmt: skip
+            print(row(f"{path}, {p} pass{'es' if p > 1 else ''}", tau, by_position), flush=True)
+        if args.reveal:
+            for revealed in (0, 1):
+                accuracy = reveal_accuracy(model, embed, head, store, anchors, vmap, revealed)
+                print(f"{path}: teacher-forced accuracy by position, true tokens given at 1..{revealed}: "
+                      + " / ".join(f"{x:.3f}" for x in accuracy[revealed:]) + f" (positions {revealed + 1}..)")
+    vocab = blocks[0][1].draft_vocab if blocks else None
+    for path in args.ar:
+        model = load_ar_model(path, verifier).float()
+        embed, head = frozen_verifier_parts(verifier, vocab)
+        tau, by_position = estimate_tau("ar", model, embed, head, store, anchors, VocabMap(vocab, vocab_size), vocab,
+                                        blocks[0][1].config.block_size)  # fmt: skip
+        print(row(f"{path} (AR baseline)", tau, by_position), flush=True)
+
+
+if __name__ == "__main__":
+    main()
