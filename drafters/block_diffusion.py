@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from drafters.base import Draft, DraftContext, Drafter
-from drafters.prompt_lookup import lookup_continuation
+from drafters.ngram_store import NgramStore, check_store_fits
+from drafters.prompt_lookup import lookup_draft
 
 CONFIG_NAME = "drafter_config.json"
 FEATURE_CLIP = 8.0
@@ -253,10 +254,14 @@ class BlockDiffusionDrafter(Drafter):
         lookup_tokens: the most tokens a lookup match may propose (default: the block's block_size - 1). A match
             longer than the block is proposed whole, past the block: the verifier's answers repeat long spans
             (docstrings, code), which a block of 8 would cut.
+        ngram_store: an `NgramStore` (or its folder) of the verifier's own training answers. After the context
+            match (or where there is none), it continues the lookup tokens with what the verifier most often said
+            next after the last n-gram (n >= `store_min_n`), up to `lookup_tokens`; the model fills the rest.
     """
 
     def __init__(self, model: BlockDiffusionModel, verifier, tokenizer=None, steps: int = 1, threshold: float = 0.9,
-                 block_size: int | None = None, lookup_ngram: int = 0, lookup_tokens: int | None = None):
+                 block_size: int | None = None, lookup_ngram: int = 0, lookup_tokens: int | None = None,
+                 ngram_store: NgramStore | str | Path | None = None, store_min_n: int = 2):
         c = model.config
         block_size = c.block_size if block_size is None else block_size
         if not 2 <= block_size <= c.block_size:
@@ -267,12 +272,15 @@ class BlockDiffusionDrafter(Drafter):
             raise ValueError(f"threshold must be in [0, 1], got {threshold}")
         if lookup_ngram < 0:
             raise ValueError(f"lookup_ngram must be >= 0, got {lookup_ngram}")
-        if lookup_tokens is not None and not lookup_ngram:
-            raise ValueError("lookup_tokens needs lookup_ngram >= 1 (it caps what a lookup match proposes)")
+        if lookup_tokens is not None and not lookup_ngram and ngram_store is None:
+            raise ValueError("lookup_tokens needs lookup_ngram >= 1 or an ngram_store (it caps what lookup proposes)")
         lookup_tokens = block_size - 1 if lookup_tokens is None else lookup_tokens
         if lookup_tokens < 1:
             raise ValueError(f"lookup_tokens must be >= 1, got {lookup_tokens}")
         check_fingerprint(c.verifier, verifier_fingerprint(verifier))
+        ngram_store = NgramStore.load(ngram_store, store_min_n)
+        if ngram_store is not None:
+            check_store_fits(ngram_store, c.verifier)
         # On the device of the verifier's head, i.e. its last layer when device_map spreads it over GPUs.
         self.device = verifier.get_output_embeddings().weight.device
         self.model = model.to(self.device).eval()
@@ -282,12 +290,15 @@ class BlockDiffusionDrafter(Drafter):
         self.hidden_layers = tuple(c.target_layers)
         self.block_size, self.max_draft_len = block_size, max(block_size - 1, lookup_tokens)
         self.steps, self.threshold, self.lookup_ngram, self.lookup_tokens = steps, threshold, lookup_ngram, lookup_tokens
+        self.ngram_store, self.store_min_n = ngram_store, store_min_n
         self.max_steps = steps
         weights = hashlib.sha256(b"".join(t.detach().cpu().float().numpy().tobytes() for t in model.state_dict().values()))
         # Schedulers keep acceptance statistics per drafter: another checkpoint or setting is another drafter.
         self.fingerprint = f"{weights.hexdigest()[:12]}:b{block_size}:s{steps}:t{threshold}:l{lookup_ngram}"
         if lookup_tokens != block_size - 1:  # matches past the block are another drafter; the default keeps its name
             self.fingerprint += f":lt{lookup_tokens}"
+        if ngram_store is not None:
+            self.fingerprint += f":ng{ngram_store.digest()}:n{store_min_n}"
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """The verifier's embedding of `ids`, on the drafter's device (the embedding may live on another GPU)."""
@@ -351,16 +362,12 @@ class BlockDiffusionDrafter(Drafter):
         known = torch.zeros(size, dtype=torch.bool, device=block.device)
         known[0] = True
         given_confidence = torch.zeros(size - 1)  # for positions fixed before the last pass
-        if self.lookup_ngram:
-            max_ngram = max(self.lookup_ngram, 3)
-            found, n = lookup_continuation(committed, self.lookup_ngram, max_ngram, self.lookup_tokens)
-            match_confidence = n / (max_ngram + 1)  # as PromptLookupDrafter's
-            if found.shape[0] >= size - 1:  # the match fills the block (or runs past it): nothing left to denoise
-                found = found[:max_tokens]
-                return Draft(found.to(ctx.input_ids.device), None, torch.full(found.shape, match_confidence))
-            block[1 : 1 + found.shape[0]] = found
-            known[1 : 1 + found.shape[0]] = True
-            given_confidence[: found.shape[0]] = match_confidence
+        found, found_confidence = self.lookup(committed)
+        if found.shape[0] >= size - 1:  # lookup fills the block (or runs past it): nothing left to denoise
+            return Draft(found[:max_tokens].to(ctx.input_ids.device), None, found_confidence[:max_tokens])
+        block[1 : 1 + found.shape[0]] = found
+        known[1 : 1 + found.shape[0]] = True
+        given_confidence[: found.shape[0]] = found_confidence
         steps = self.steps if ctx.steps is None else min(ctx.steps, self.steps)
         for step in range(steps):
             logits = self.block_logits(ctx, block, known)
@@ -376,6 +383,11 @@ class BlockDiffusionDrafter(Drafter):
             known[1 + first : 1 + run] = True
             given_confidence[first:run] = confidence[first:run].cpu()
         return self._choose(ctx, logits, block, known, given_confidence, max_tokens)
+
+    def lookup(self, committed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens, confidences) that need no model: a match in the context continued by the n-gram store."""
+        return lookup_draft(committed, self.lookup_ngram, max(self.lookup_ngram, 3), self.lookup_tokens,
+                            self.ngram_store, self.store_min_n)
 
     def _choose(self, ctx, logits, block, known, given_confidence, max_tokens) -> Draft:
         """Tokens for the first `max_tokens` draft positions: given ones as they are, the rest chosen from logits."""

@@ -36,7 +36,7 @@ from drafters.block_diffusion import (BlockDiffusionConfig, BlockDiffusionModel,
 from drafters.corpus import chat_prompts
 from drafters.distill import (FeatureStore, build_features, generate_shards, interleave, load_sequences,
                               synthetic_user_turns)
-from drafters.prompt_lookup import lookup_continuation
+from drafters.prompt_lookup import lookup_draft
 from drafters.training import (VocabMap, accepted_lengths, anchor_candidates, block_targets, distill_loss,
                                draft_vocabulary, lr_at, position_weights)
 
@@ -240,14 +240,15 @@ def estimate_tau(arch, model, embed, head, store, anchors, vmap, vocab, block_si
     return 1 + float(lengths.mean()), by_position
 
 
-def lookup_tau(store, anchors, block_size) -> float:
-    """The same estimate for prompt lookup (n-gram 1..3 over prompt + answer so far), for reference."""
+def lookup_tau(store, anchors, block_size, ngrams=None, min_ngram: int = 1, store_min_n: int = 2) -> float:
+    """The same estimate for prompt lookup (n-gram 1..3 over prompt + answer so far; min_ngram = 0: none),
+    continued by the n-gram store `ngrams` if given, for reference."""
     lengths = []
     for i, chosen in anchors:
         s = store.sequence(i)
         ids = torch.from_numpy(s["ids"].astype(np.int64))
         for a in chosen:
-            draft, _ = lookup_continuation(ids[: a + 1], 1, 3, block_size - 1)
+            draft, _ = lookup_draft(ids[: a + 1], min_ngram, 3, block_size - 1, ngrams, store_min_n)
             full, ok, _ = block_targets(s, np.array([a]), block_size)
             k = len(draft)
             hit = (draft.numpy() == full[0, :k]) & ok[0, :k]

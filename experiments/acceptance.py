@@ -69,6 +69,9 @@ class DrafterEntry:
 DRAFTERS: dict[str, DrafterEntry | None] = {
     "none": None,  # plain decoding through the engine: tau 1, the engine's own overhead
     "lookup": DrafterEntry(lambda block, reference, model: PromptLookupDrafter(max_draft_len=block), default_block_size=10),
+    # Prompt lookup continued by the shipped n-gram store of the verifier's training answers: no model.
+    "lookup-store": DrafterEntry(lambda block, reference, model: PromptLookupDrafter(
+        max_draft_len=block, ngram_store=trained_drafters.ngram_store()), default_block_size=10),
     # The verifier's own greedy text at zero cost: the ceiling of speculative decoding on this machine.
     "oracle": DrafterEntry(lambda block, reference, model: OracleDrafter(reference, max_draft_len=block),
                            default_block_size=16),
@@ -78,6 +81,10 @@ DRAFTERS: dict[str, DrafterEntry | None] = {
     "block-lookup": DrafterEntry(lambda block, reference, model: trained_drafters.block(model, block, lookup=True),
                                  default_block_size=trained_drafters.MAX_DRAFTED,
                                  max_block_size=trained_drafters.MAX_DRAFTED),
+    # The shipped default: the block model, lookup and the n-gram store (hybrid.load_default()).
+    "block-lookup-store": DrafterEntry(lambda block, reference, model: trained_drafters.block(model, block, True, store=True),
+                                       default_block_size=trained_drafters.MAX_DRAFTED,
+                                       max_block_size=trained_drafters.MAX_DRAFTED),
     # The same with two denoising passes (the confident leading run fixed after the first, the rest re-predicted).
     "block-lookup-2steps": DrafterEntry(lambda block, reference, model: trained_drafters.block(model, block, True, steps=2),
                                         default_block_size=trained_drafters.MAX_DRAFTED,
@@ -85,6 +92,9 @@ DRAFTERS: dict[str, DrafterEntry | None] = {
     # The trained block with lookup matches proposed up to the block size asked for (15 by default), past the block.
     "block-long-lookup": DrafterEntry(lambda block, reference, model: trained_drafters.block(model, block, long_lookup=True),
                                       default_block_size=trained_drafters.LONG_LOOKUP_TOKENS),
+    "block-long-lookup-store": DrafterEntry(
+        lambda block, reference, model: trained_drafters.block(model, block, long_lookup=True, store=True),
+        default_block_size=trained_drafters.LONG_LOOKUP_TOKENS),
     # The 1-layer AR baseline of the same trainable budget (`python -m drafters.train --arch ar`).
     "ar": DrafterEntry(lambda block, reference, model: trained_drafters.ar(model, block), default_block_size=6),
 }

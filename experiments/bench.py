@@ -4,7 +4,9 @@
     accelerate launch --multi_gpu --num_processes 2 -m experiments.bench ...   # prompts split across 2 processes
 
 Methods: plain `model.generate`; HF assisted generation with prompt lookup; hybrid with no drafter,
-with prompt lookup, with the shipped block-diffusion drafter (alone and with n-gram lookup), with the
+with prompt lookup (alone and continued by the shipped n-gram store, `hybrid-lookup-store`), with the shipped
+block-diffusion drafter (alone, with n-gram lookup, and with lookup and the store: `hybrid-block-lookup-store`,
+the default drafter of `hybrid.load_default()`), with the
 1-layer AR baseline drafter (`python -m drafters.train --arch ar`), and with an oracle drafter that
 proposes the verifier's own greedy continuation at zero cost (the ceiling of speculative decoding for
 this verifier on this machine: every method is also reported as a fraction of it). Greedy only: every
@@ -41,10 +43,11 @@ from hybrid.prompts import encode_prompt
 from schedulers import FixedScheduler
 from schedulers.registry import NAMES_HELP, check_scheduler_name, make_scheduler
 
-METHODS = ("plain", "hf-lookup", "hybrid-none", "hybrid-lookup", "hybrid-block", "hybrid-block-lookup",
-           "hybrid-block-long-lookup", "hybrid-ar", "oracle")
-DEFAULT_METHODS = ("plain", "hf-lookup", "hybrid-none", "hybrid-lookup", "hybrid-block-lookup", "oracle")
-TRAINED = ("hybrid-block", "hybrid-block-lookup", "hybrid-block-long-lookup", "hybrid-ar")  # drafters trained for the default verifier
+METHODS = ("plain", "hf-lookup", "hybrid-none", "hybrid-lookup", "hybrid-lookup-store", "hybrid-block", "hybrid-block-lookup",
+           "hybrid-block-lookup-store", "hybrid-block-long-lookup", "hybrid-block-long-lookup-store", "hybrid-ar", "oracle")
+DEFAULT_METHODS = ("plain", "hf-lookup", "hybrid-none", "hybrid-lookup", "hybrid-block-lookup-store", "oracle")
+TRAINED = ("hybrid-block", "hybrid-block-lookup", "hybrid-block-lookup-store", "hybrid-block-long-lookup",
+           "hybrid-block-long-lookup-store", "hybrid-ar")  # drafters trained for the default verifier
 RECORDS_FILE = "bench.jsonl"
 _SCHEDULERS: dict[str, object] = {}  # one per "method@scheduler", kept across prompts as the default one is
 
@@ -62,9 +65,13 @@ def make_drafter(method: str, model, reference: torch.Tensor):
     return {
         "hybrid-none": lambda: None,
         "hybrid-lookup": PromptLookupDrafter,
+        "hybrid-lookup-store": lambda: PromptLookupDrafter(ngram_store=trained_drafters.ngram_store()),
         "hybrid-block": lambda: trained_drafters.block(model, drafted),
         "hybrid-block-lookup": lambda: trained_drafters.block(model, drafted, lookup=True),
+        "hybrid-block-lookup-store": lambda: trained_drafters.block(model, drafted, lookup=True, store=True),
         "hybrid-block-long-lookup": lambda: trained_drafters.block(model, trained_drafters.LONG_LOOKUP_TOKENS, long_lookup=True),
+        "hybrid-block-long-lookup-store": lambda: trained_drafters.block(model, trained_drafters.LONG_LOOKUP_TOKENS,
+                                                                         long_lookup=True, store=True),
         "hybrid-ar": lambda: trained_drafters.ar(model, drafted),
         "oracle": lambda: OracleDrafter(reference),
     }[method]()

@@ -9,7 +9,9 @@ held-out answers are the ones training holds out of that folder (every 20th gene
 answers folder (say, the data a fine-tune saw). Their verifier features are computed once and cached
 under `--work-dir`. For 8 anchors per answer it prints the estimate `drafters.train` logs while training:
 tau of one greedy block per anchor and the share of anchors whose first i drafts are all accepted, for
-prompt lookup, every `--block` checkpoint (with 1, 2, ... denoising passes) and every `--ar` baseline.
+prompt lookup, every `--block` checkpoint (with 1, 2, ... denoising passes) and every `--ar` baseline;
+with `--ngram-store`, that store alone and continuing prompt lookup (`drafters.ngram_store`; it must be built
+from the same folder, so that its held-out answers are these).
 `--reveal` also prints each block checkpoint's teacher-forced accuracy by position with and without the
 true first token given, which shows whether the model reads known block tokens at all.
 """
@@ -27,6 +29,7 @@ import torch
 from drafters.ar_baseline import load_ar_model
 from drafters.block_diffusion import frozen_verifier_parts, load_model
 from drafters.distill import FeatureStore, build_features, load_sequences
+from drafters.ngram_store import NgramStore
 from drafters.train import DEFAULT_WORK_DIR, HELD_OUT_EVERY, block_batch, block_forward, estimate_tau, held_out_anchors, lookup_tau
 from drafters.training import VocabMap
 
@@ -89,6 +92,7 @@ def main(argv=None) -> None:
     parser.add_argument("--ar", type=Path, action="append", default=[], help="an AR baseline checkpoint (repeatable)")
     parser.add_argument("--passes", default="1", help="denoising passes to score the block drafters with, e.g. 1,2,3")
     parser.add_argument("--lookup", default="7,15", help="prompt lookup's draft lengths")
+    parser.add_argument("--ngram-store", type=Path, default=None, help="also an NgramStore alone and continuing prompt lookup")
     parser.add_argument("--reveal", action="store_true", help="also the teacher-forced accuracy with the first token given")
     parser.add_argument("--work-dir", type=Path, default=DEFAULT_WORK_DIR)
     args = parser.parse_args(argv)
@@ -102,6 +106,7 @@ def main(argv=None) -> None:
     from hybrid.default import load_verifier
 
     verifier, tokenizer = load_verifier("cpu")
+    ngrams = args.ngram_store and NgramStore.from_pretrained(args.ngram_store)
     blocks = [(path, load_model(path).float()) for path in args.block]
     layers = blocks[0][1].config.target_layers if blocks else (2, 9, 16, 23, 30)
     store = held_out_store(verifier, tokenizer, args.answers, args.exclude_prompts_of, args.work_dir, layers)
@@ -109,6 +114,10 @@ def main(argv=None) -> None:
     print(f"{sum(len(a) for _, a in anchors)} anchors\n\n| drafter | held-out tau | accepted at positions 1 / 2 / ... |\n|---|---:|---|")
     for n in lookups:
         print(f"| prompt lookup, {n} tokens | {lookup_tau(store, anchors, n + 1):.3f} | |")
+    if ngrams is not None:
+        for n in lookups:
+            print(f"| n-gram store alone, {n} tokens | {lookup_tau(store, anchors, n + 1, ngrams, min_ngram=0):.3f} | |")
+            print(f"| prompt lookup + n-gram store, {n} tokens | {lookup_tau(store, anchors, n + 1, ngrams):.3f} | |")
     vocab_size = verifier.get_input_embeddings().weight.shape[0]
     for path, model in blocks:
         embed, head = frozen_verifier_parts(verifier, model.draft_vocab)

@@ -16,7 +16,17 @@ python -m experiments.acceptance --datasets mt-bench,humaneval --drafters lookup
     --schedulers fixed,cost-aware --block-sizes 7 --num-prompts 6 --max-new-tokens 256 --out runs/trained
 python -m experiments.acceptance --datasets mt-bench,humaneval --drafters lookup,block,block-lookup,ar --schedulers cost-aware \
     --temperatures 0.7 --block-sizes 7 --num-prompts 6 --max-new-tokens 256 --out runs/trained-t07
-# The schedulers with the shipped default drafter (block 7 is its largest).
+# The n-gram store (session 7): lookup + store without a model, and the block drafter with it (the default), up to 7
+# and up to 15 tokens.
+python -m experiments.acceptance --datasets mt-bench,humaneval --drafters lookup,lookup-store,block-lookup,block-lookup-store \
+    --schedulers fixed,cost-aware --block-sizes 7 --num-prompts 6 --max-new-tokens 256 --out runs/trained-store
+python -m experiments.acceptance --datasets mt-bench,humaneval --drafters lookup-store,block-long-lookup-store \
+    --schedulers fixed,cost-aware --block-sizes 15 --num-prompts 6 --max-new-tokens 256 --out runs/trained-store-long
+# The schedulers with the default drafter, which proposes up to 16 tokens.
+python -m experiments.acceptance --datasets mt-bench,humaneval --drafters block-long-lookup-store \
+    --schedulers fixed-1,fixed-2,fixed-3,fixed-4,fixed-7,fixed-10,fixed-13,fixed-16,heuristic,cost-aware --block-sizes 16 \
+    --num-prompts 6 --max-new-tokens 128 --out runs/schedulers-v3
+# The schedulers with the earlier default drafter (block + lookup; block 7 is its largest).
 python -m experiments.acceptance --datasets mt-bench,humaneval --drafters block-lookup \
     --schedulers fixed-1,fixed-2,fixed-3,fixed-4,fixed-5,fixed-6,fixed-7,heuristic,confidence,cost-aware --block-sizes 7 \
     --num-prompts 6 --max-new-tokens 128 --out runs/schedulers-v2
@@ -33,7 +43,8 @@ for set in humaneval mt-bench; do  # the scheduler against the best fixed k, wit
 done
 mkdir -p runs/batching && python -m experiments.batching --dataset mt-bench --num-prompts 4 --batch-sizes 1,2,4 \
     --max-new-tokens 64 --out runs/batching | tee runs/batching/batching.txt
-for run in drafters schedulers calibration trained trained-t07 schedulers-v2 memory bench-mt batching; do
+for run in drafters schedulers calibration trained trained-t07 trained-store trained-store-long schedulers-v2 schedulers-v3 \
+    memory bench-mt batching; do
     mkdir -p "docs/results/$run"
     cp runs/$run/*.png runs/$run/*.md runs/$run/*.csv runs/$run/*.json runs/$run/*.txt "docs/results/$run/" 2>/dev/null || true
 done

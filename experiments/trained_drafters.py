@@ -8,23 +8,31 @@ from pathlib import Path
 from drafters import BlockDiffusionDrafter, ModelDrafter
 from drafters.ar_baseline import load_ar_model
 from drafters.train import DEFAULT_WORK_DIR
-from hybrid.default import DRAFTER_DIR, DRAFTER_LOOKUP_NGRAM, shipped_block_size
+from drafters.ngram_store import NgramStore
+from hybrid.default import DRAFTER_DIR, DRAFTER_LOOKUP_NGRAM, DRAFTER_LOOKUP_TOKENS, DRAFTER_NGRAM_DIR, shipped_block_size
 
 AR_DIR = DEFAULT_WORK_DIR / "ar-drafter"
 MAX_DRAFTED = shipped_block_size() - 1  # the shipped drafter's block minus its anchor
-LONG_LOOKUP_TOKENS = 15  # what a lookup match may propose past the block with `long_lookup`
+LONG_LOOKUP_TOKENS = DRAFTER_LOOKUP_TOKENS  # what lookup may propose past the block with `long_lookup` (16)
 
 
 @lru_cache(maxsize=None)
 def block(model, drafted: int, lookup: bool = False, steps: int = 1, path: Path = DRAFTER_DIR,
-          long_lookup: bool = False) -> BlockDiffusionDrafter:
+          long_lookup: bool = False, store: bool = False) -> BlockDiffusionDrafter:
     """The shipped block-diffusion drafter proposing up to `drafted` tokens (block = anchor + drafted), with
     `steps` denoising passes. With `long_lookup`, the block stays the trained one and a lookup match may propose
-    up to `drafted` tokens past it."""
+    up to `drafted` tokens past it. With `store`, the shipped n-gram store continues the lookup (the default)."""
     return BlockDiffusionDrafter.from_pretrained(
         path, model, block_size=min(drafted, MAX_DRAFTED) + 1 if long_lookup else drafted + 1, steps=steps,
         lookup_ngram=DRAFTER_LOOKUP_NGRAM if lookup or long_lookup else 0, lookup_tokens=drafted if long_lookup else None,
+        ngram_store=ngram_store() if store else None,
     )  # fmt: skip
+
+
+@lru_cache(maxsize=None)
+def ngram_store() -> NgramStore:
+    """The shipped n-gram store of the verifier's training answers (loaded once)."""
+    return NgramStore.from_pretrained(DRAFTER_NGRAM_DIR)
 
 
 @lru_cache(maxsize=None)

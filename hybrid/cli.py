@@ -27,8 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("prompt", help="the user message (the chat template is applied)")
     gen.add_argument("--max-new-tokens", type=int, default=256)
     gen.add_argument("--drafter", choices=sorted(DRAFTERS), default="default",
-                     help="default: the shipped block-diffusion drafter with n-gram lookup; block: the same without "
-                          "lookup; none: plain decoding through the engine")  # fmt: skip
+                     help="default: the shipped block-diffusion drafter with n-gram lookup and the n-gram store; "
+                          "block: the model without either; none: plain decoding through the engine")  # fmt: skip
     gen.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
     gen.add_argument("--temperature", type=float, default=None)
     gen.add_argument("--top-p", type=float, default=None)

@@ -20,6 +20,12 @@ DRAFTER_DIR = Path(__file__).resolve().parent.parent / "drafters" / "checkpoints
 # Any n-gram match (n >= 1) fills the block's first positions: on held-out answers even a 1-gram match's
 # first token is accepted more often than the CPU-trained model's own first token (README, "The drafter").
 DRAFTER_LOOKUP_NGRAM = 1
+# What the verifier said next after each n-gram of its own training answers, continuing the lookup match (or
+# standing in for it): rebuilt by `python -m drafters.ngram_store` (README, "The n-gram store").
+DRAFTER_NGRAM_DIR = DRAFTER_DIR.parent / "smollm2-135m-ngram"
+# Lookup (context match + store) may propose up to 16 tokens, past the block of 7: the verifier's answers repeat
+# long spans, and the scheduler verifies only what pays (README, "Trained drafters").
+DRAFTER_LOOKUP_TOKENS = 16
 
 
 
@@ -82,5 +88,6 @@ def load_default(device: str | torch.device = "cpu", dtype: torch.dtype = torch.
     from drafters import BlockDiffusionDrafter
 
     model, tokenizer = load_verifier(device, dtype)
-    drafter = BlockDiffusionDrafter.from_pretrained(DRAFTER_DIR, model, tokenizer=tokenizer, lookup_ngram=DRAFTER_LOOKUP_NGRAM)
+    drafter = BlockDiffusionDrafter.from_pretrained(DRAFTER_DIR, model, tokenizer=tokenizer, lookup_ngram=DRAFTER_LOOKUP_NGRAM,
+                                                    lookup_tokens=DRAFTER_LOOKUP_TOKENS, ngram_store=DRAFTER_NGRAM_DIR)
     return model, tokenizer, drafter

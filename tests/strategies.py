@@ -10,7 +10,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralFo
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from drafters import BlockDiffusionDrafter, Draft, DraftContext, Drafter, ModelDrafter, PromptLookupDrafter
-from drafters.block_diffusion import BlockDiffusionConfig, BlockDiffusionModel
+from drafters.block_diffusion import BlockDiffusionConfig, BlockDiffusionModel, verifier_fingerprint
+from drafters.ngram_store import NgramStore
 from schedulers import ConfidenceScheduler, CostAwareScheduler, FixedScheduler, HeuristicScheduler
 
 ARCHITECTURES = {
@@ -127,6 +128,23 @@ def random_block_drafter(model, seed: int, draft_vocab_size: int | None = None, 
     return BlockDiffusionDrafter(drafter_model, model, **kwargs)
 
 
+def ngram_store_for(model, seed: int, own_answers: bool) -> NgramStore:
+    """An NgramStore over `model`'s vocabulary: of its own greedy continuations of random prompts (so lookups hit
+    and drafts get accepted), or of random token sequences (lookups hit, drafts mostly rejected)."""
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    answers = []
+    for _ in range(4):
+        prompt = torch.randint(vocab, (1, 3), generator=gen)
+        if own_answers:
+            ids = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=16, do_sample=False,
+                                 pad_token_id=0)[0]
+        else:
+            ids = torch.cat([prompt[0], torch.randint(vocab, (16,), generator=gen)])
+        answers.append((ids.tolist(), 3))
+    return NgramStore.build(answers, vocab, max_n=3, min_count=1, verifier=verifier_fingerprint(model))
+
+
 @st.composite
 def drafters_for(draw, model, eos_token_id: int | None):
     """Every kind of drafter the engine must stay lossless with."""
@@ -140,8 +158,10 @@ def drafters_for(draw, model, eos_token_id: int | None):
         return ModelDrafter(model, max_draft_len=8)
     if kind == "perturbed":
         return ModelDrafter(perturbed_copy(model, draw(st.sampled_from([0.01, 0.1])), seed), max_draft_len=8)
+    store = ngram_store_for(model, seed, draw(st.booleans())) if kind in ("lookup", "block") and draw(st.booleans()) else None
     if kind == "lookup":
-        return PromptLookupDrafter(max_ngram=draw(st.integers(1, 3)), max_draft_len=draw(st.integers(1, 8)))
+        return PromptLookupDrafter(max_ngram=draw(st.integers(1, 3)), max_draft_len=draw(st.integers(1, 8)),
+                                   ngram_store=store, store_min_n=draw(st.integers(1, 3)))
     if kind == "adversarial":
         return AdversarialDrafter(vocab, eos_token_id, seed)
     if kind == "block":
@@ -149,8 +169,8 @@ def drafters_for(draw, model, eos_token_id: int | None):
         return random_block_drafter(
             model, seed, draft_vocab_size=draw(st.sampled_from([None, vocab // 2])), block_size=draw(st.integers(2, 9)),
             steps=draw(st.integers(1, 3)), threshold=draw(st.sampled_from([0.0, 0.5, 1.0])),
-            lookup_ngram=lookup_ngram, lookup_tokens=draw(st.sampled_from([None, 3, 12])) if lookup_ngram else None,
-            known_token_input=draw(st.booleans()),
+            lookup_ngram=lookup_ngram, lookup_tokens=draw(st.sampled_from([None, 3, 12])) if lookup_ngram or store else None,
+            known_token_input=draw(st.booleans()), ngram_store=store, store_min_n=draw(st.integers(1, 3)),
         )  # fmt: skip
     return None
 

@@ -215,7 +215,7 @@ def test_a_lookup_match_longer_than_the_block_is_proposed_whole(world):
     assert long.propose(ctx, 9).tokens.tolist() == [1, 2, 3, 4, 5, 6, 8, 9, 10]
     assert long.propose(ctx, 5).tokens.tolist() == [1, 2, 3, 4, 5]  # the scheduler's k still caps it
     assert short.propose(ctx, 9).tokens.tolist() == [1, 2, 3]
-    with pytest.raises(ValueError, match="lookup_tokens needs lookup_ngram"):
+    with pytest.raises(ValueError, match="lookup_tokens needs lookup_ngram >= 1 or an ngram_store"):
         random_block_drafter(verifier, seed=0, lookup_tokens=9)
     with pytest.raises(ValueError, match="lookup_tokens must be >= 1"):
         random_block_drafter(verifier, seed=0, lookup_ngram=1, lookup_tokens=0)

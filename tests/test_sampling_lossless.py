@@ -14,7 +14,7 @@ from drafters import ModelDrafter, PromptLookupDrafter
 from hybrid.acceptance import acceptance_probability, residual_distribution, speculative_step
 from hybrid.testing import chi_square_critical, chi_square_statistic, sequence_distribution
 from schedulers import ConfidenceScheduler, FixedScheduler, HeuristicScheduler
-from strategies import AdversarialDrafter, random_block_drafter, tiny_model
+from strategies import AdversarialDrafter, ngram_store_for, random_block_drafter, tiny_model
 
 ALPHA = 1e-3  # false-alarm rate of each statistical test, at fixed seeds
 
@@ -78,7 +78,7 @@ def tiny():
 
 
 @pytest.mark.parametrize("drafter_kind", ["model", "self", "lookup", "adversarial", "block", "block-steps-lookup",
-                                          "block-long-lookup"])
+                                          "block-long-lookup", "block-store"])
 def test_generated_sequences_follow_ar_sampling(tiny, drafter_kind):
     """2,000 sequences of 3 tokens (4-token vocabulary, T=0.7, top-k 3) pass a chi-square goodness-of-fit
     test, at level 1e-3, against the exact distribution of plain AR sampling."""
@@ -94,6 +94,9 @@ def test_generated_sequences_follow_ar_sampling(tiny, drafter_kind):
                                                            lookup_ngram=1),
         # Lookup matches longer than the block are proposed whole (deterministic tokens past the block).
         "block-long-lookup": lambda: random_block_drafter(model, seed=4, block_size=3, lookup_ngram=1, lookup_tokens=6),
+        # The n-gram store (of the model's greedy answers) continues the lookup: more deterministic drafts.
+        "block-store": lambda: random_block_drafter(model, seed=4, block_size=3, lookup_ngram=1, lookup_tokens=5,
+                                                    ngram_store=ngram_store_for(model, seed=0, own_answers=True)),
     }[drafter_kind]()
     gen = torch.Generator().manual_seed(1234)
     counts, drafted = Counter(), 0
