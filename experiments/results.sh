@@ -22,6 +22,8 @@ python -m experiments.acceptance --datasets mt-bench,humaneval --drafters lookup
     --schedulers fixed,cost-aware --block-sizes 7 --num-prompts 6 --max-new-tokens 256 --out runs/trained-store
 python -m experiments.acceptance --datasets mt-bench,humaneval --drafters lookup-store,block-long-lookup-store \
     --schedulers fixed,cost-aware --block-sizes 15 --num-prompts 6 --max-new-tokens 256 --out runs/trained-store-long
+python -m experiments.acceptance --datasets mt-bench,humaneval --drafters lookup-store,block-long-lookup-store \
+    --schedulers cost-aware --temperatures 0.7 --block-sizes 16 --num-prompts 6 --max-new-tokens 256 --out runs/trained-store-t07
 for set in humaneval mt-bench; do  # the same drafters with repeats
     mkdir -p runs/bench-store-$set && python -m experiments.bench --dataset $set --num-prompts 4 --max-new-tokens 256 --repeats 2 \
         --methods plain,hybrid-lookup,hybrid-lookup-store,hybrid-block-lookup,hybrid-block-long-lookup-store \
@@ -48,7 +50,7 @@ for set in humaneval mt-bench; do  # the scheduler against the best fixed k, wit
 done
 mkdir -p runs/batching && python -m experiments.batching --dataset mt-bench --num-prompts 4 --batch-sizes 1,2,4 \
     --max-new-tokens 64 --out runs/batching | tee runs/batching/batching.txt
-for run in drafters schedulers calibration trained trained-t07 trained-store trained-store-long bench-store-humaneval \
+for run in drafters schedulers calibration trained trained-t07 trained-store trained-store-long trained-store-t07 bench-store-humaneval \
     bench-store-mt-bench schedulers-v2 schedulers-v3 memory bench-mt batching; do
     mkdir -p "docs/results/$run"
     cp runs/$run/*.png runs/$run/*.md runs/$run/*.csv runs/$run/*.json runs/$run/*.txt "docs/results/$run/" 2>/dev/null || true
