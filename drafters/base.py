@@ -136,6 +136,14 @@ def common_prefix_length(a: torch.Tensor, b: torch.Tensor) -> int:
     return int(diff[0]) if diff.numel() else n
 
 
+def check_same_verifier(expected: dict, actual: dict, problem: str, fix: str) -> None:
+    """Raise `ValueError("{problem} (key a != b, ...): {fix}")` when two verifier fingerprints differ."""
+    if expected != actual:
+        diffs = ", ".join(f"{key} {expected.get(key)!r} != {actual.get(key)!r}" for key in sorted(set(expected) | set(actual))
+                          if expected.get(key) != actual.get(key))
+        raise ValueError(f"{problem} ({diffs}): {fix}")
+
+
 class DraftError(ValueError):
     """A drafter broke its contract (wrong shape, token outside the vocabulary, bad probabilities)."""
 

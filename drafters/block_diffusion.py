@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from drafters.base import Draft, DraftContext, Drafter
+from drafters.base import Draft, DraftContext, Drafter, check_same_verifier
 from drafters.ngram_store import NgramStore, check_store_fits
 from drafters.prompt_lookup import lookup_draft
 
@@ -425,11 +425,8 @@ class BlockDiffusionDrafter(Drafter):
 
 
 def check_fingerprint(expected: dict, actual: dict) -> None:
-    if expected != actual:
-        diffs = ", ".join(f"{key} {expected.get(key)!r} != {actual.get(key)!r}" for key in sorted(set(expected) | set(actual))
-                          if expected.get(key) != actual.get(key))
-        raise ValueError(f"this drafter was trained for another verifier ({diffs}): load a checkpoint trained for this "
-                         "verifier, or train one with `python -m drafters.train`")
+    check_same_verifier(expected, actual, "this drafter was trained for another verifier",
+                        "load a checkpoint trained for this verifier, or train one with `python -m drafters.train`")
 
 
 def save_model(model: BlockDiffusionModel, path: str | Path, dtype: torch.dtype | None = None) -> None:

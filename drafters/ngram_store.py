@@ -25,6 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
+from drafters.base import check_same_verifier
+
 CONFIG_NAME = "ngram_config.json"
 TABLES_NAME = "ngrams.safetensors"
 
@@ -195,11 +197,8 @@ def most_frequent_next(keys: np.ndarray, targets: np.ndarray, min_count: int):
 
 def check_store_fits(store: NgramStore, fingerprint: dict) -> None:
     """The store's tokens are the verifier's: another verifier (tokenizer) gets a clear error."""
-    if store.verifier != fingerprint:
-        diffs = ", ".join(f"{k} {store.verifier.get(k)!r} != {fingerprint.get(k)!r}"
-                          for k in sorted(set(store.verifier) | set(fingerprint)) if store.verifier.get(k) != fingerprint.get(k))
-        raise ValueError(f"this n-gram store was built from another verifier's answers ({diffs}): build one for this "
-                         "verifier with `python -m drafters.ngram_store`")
+    check_same_verifier(store.verifier, fingerprint, "this n-gram store was built from another verifier's answers",
+                        "build one for this verifier with `python -m drafters.ngram_store`")
 
 
 def main(argv=None) -> None:
@@ -215,13 +214,13 @@ def main(argv=None) -> None:
 
     from drafters.block_diffusion import verifier_fingerprint
     from drafters.distill import load_sequences
-    from drafters.train import HELD_OUT_EVERY
+    from drafters.train import HELD_OUT_EVERY, held_out_indices
     from hybrid.default import load_verifier
 
     verifier, tokenizer = load_verifier()
-    generated = [s for s in load_sequences(args.answers, tokenizer, doc_tokens=0) if s["source"] == "generated"]
-    held = set(range(0, len(generated), HELD_OUT_EVERY))  # the answers drafters.train and experiments.heldout hold out
-    train = [(s["ids"], s["prompt_len"]) for i, s in enumerate(generated) if i not in held]
+    answers = load_sequences(args.answers, tokenizer, doc_tokens=0)
+    held = held_out_indices([s["source"] for s in answers])  # the answers drafters.train and experiments.heldout hold out
+    train = [(s["ids"], s["prompt_len"]) for i, s in enumerate(answers) if i not in held]
     store = NgramStore.build(train, verifier.config.vocab_size, args.max_n, args.min_count, verifier_fingerprint(verifier),
                              {"command": " ".join(["python -m drafters.ngram_store", *(argv if argv is not None else sys.argv[1:])]),
                               "answers": args.answers.name, "sequences": len(train), "held_out_every": HELD_OUT_EVERY})

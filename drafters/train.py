@@ -49,10 +49,14 @@ DEFAULT_WORK_DIR = Path.home() / ".cache" / "hybrid" / "drafter"
 HELD_OUT_EVERY = 20  # every 20th generated answer is held out of training
 
 
-def split(store: FeatureStore, every: int = HELD_OUT_EVERY) -> tuple[list[int], list[int]]:
-    """(train, held-out): every `every`-th generated answer is held out; documents all train."""
-    generated = [i for i in range(len(store)) if store.sources[i] == "generated"]
-    held = set(generated[::every])
+def held_out_indices(sources: list[str], every: int = HELD_OUT_EVERY) -> set[int]:
+    """Indices of the held-out sequences, given each one's source: every `every`-th generated answer."""
+    return set([i for i, source in enumerate(sources) if source == "generated"][::every])
+
+
+def split(store: FeatureStore) -> tuple[list[int], list[int]]:
+    """(train, held-out): every HELD_OUT_EVERY-th generated answer is held out; documents all train."""
+    held = held_out_indices(store.sources)
     return [i for i in range(len(store)) if i not in held], sorted(held)
 
 

@@ -30,7 +30,7 @@ from drafters.ar_baseline import load_ar_model
 from drafters.block_diffusion import frozen_verifier_parts, load_model
 from drafters.distill import FeatureStore, build_features, load_sequences
 from drafters.ngram_store import NgramStore
-from drafters.train import DEFAULT_WORK_DIR, HELD_OUT_EVERY, block_batch, block_forward, estimate_tau, held_out_anchors, lookup_tau
+from drafters.train import DEFAULT_WORK_DIR, block_batch, block_forward, estimate_tau, held_out_anchors, held_out_indices, lookup_tau
 from drafters.training import VocabMap
 
 ANCHORS_PER_ANSWER = 8
@@ -42,8 +42,8 @@ def prompts_of(answers: Path) -> set[tuple[int, ...]]:
 
 def held_out_store(verifier, tokenizer, answers: Path, exclude: Path | None, work_dir: Path, layers) -> FeatureStore:
     """Features of the answers training holds out of `answers` (minus prompts seen in `exclude`), cached."""
-    generated = [s for s in load_sequences(answers, tokenizer, doc_tokens=0) if s["source"] == "generated"]
-    held = generated[::HELD_OUT_EVERY]
+    sequences = load_sequences(answers, tokenizer, doc_tokens=0)
+    held = [sequences[i] for i in sorted(held_out_indices([s["source"] for s in sequences]))]
     if exclude is not None:
         seen = prompts_of(exclude)
         held = [s for s in held if tuple(s["ids"][: s["prompt_len"]]) not in seen]
