@@ -254,14 +254,18 @@ class BlockDiffusionDrafter(Drafter):
         lookup_tokens: the most tokens a lookup match may propose (default: the block's block_size - 1). A match
             longer than the block is proposed whole, past the block: the verifier's answers repeat long spans
             (docstrings, code), which a block of 8 would cut.
+        lookup_max_ngram: the longest context match looked for (the longest match wins, see `lookup_continuation`).
         ngram_store: an `NgramStore` (or its folder) of the verifier's own training answers. After the context
             match (or where there is none), it continues the lookup tokens with what the verifier most often said
             next after the last n-gram (n >= `store_min_n`), up to `lookup_tokens`; the model fills the rest.
+        prefer_store: if set, a context match of one token gives way to the store's own continuation when the
+            store's first token has at least this share (`lookup_draft`).
     """
 
     def __init__(self, model: BlockDiffusionModel, verifier, tokenizer=None, steps: int = 1, threshold: float = 0.9,
                  block_size: int | None = None, lookup_ngram: int = 0, lookup_tokens: int | None = None,
-                 ngram_store: NgramStore | str | Path | None = None, store_min_n: int = 2):
+                 ngram_store: NgramStore | str | Path | None = None, store_min_n: int = 2, lookup_max_ngram: int = 3,
+                 prefer_store: float | None = None):
         c = model.config
         block_size = c.block_size if block_size is None else block_size
         if not 2 <= block_size <= c.block_size:
@@ -274,6 +278,10 @@ class BlockDiffusionDrafter(Drafter):
             raise ValueError(f"lookup_ngram must be >= 0, got {lookup_ngram}")
         if lookup_tokens is not None and not lookup_ngram and ngram_store is None:
             raise ValueError("lookup_tokens needs lookup_ngram >= 1 or an ngram_store (it caps what lookup proposes)")
+        if lookup_max_ngram < max(lookup_ngram, 1):
+            raise ValueError(f"lookup_max_ngram must be >= max(lookup_ngram, 1) = {max(lookup_ngram, 1)}, got {lookup_max_ngram}")
+        if prefer_store is not None and (ngram_store is None or not 0.0 <= prefer_store <= 1.0):
+            raise ValueError(f"prefer_store={prefer_store!r} needs an ngram_store and a share in [0, 1]")
         lookup_tokens = block_size - 1 if lookup_tokens is None else lookup_tokens
         if lookup_tokens < 1:
             raise ValueError(f"lookup_tokens must be >= 1, got {lookup_tokens}")
@@ -291,6 +299,7 @@ class BlockDiffusionDrafter(Drafter):
         self.block_size, self.max_draft_len = block_size, max(block_size - 1, lookup_tokens)
         self.steps, self.threshold, self.lookup_ngram, self.lookup_tokens = steps, threshold, lookup_ngram, lookup_tokens
         self.ngram_store, self.store_min_n = ngram_store, store_min_n
+        self.lookup_max_ngram, self.prefer_store = lookup_max_ngram, prefer_store
         self.max_steps = steps
         weights = hashlib.sha256(b"".join(t.detach().cpu().float().numpy().tobytes() for t in model.state_dict().values()))
         # Schedulers keep acceptance statistics per drafter: another checkpoint or setting is another drafter.
@@ -299,6 +308,8 @@ class BlockDiffusionDrafter(Drafter):
             self.fingerprint += f":lt{lookup_tokens}"
         if ngram_store is not None:
             self.fingerprint += f":ng{ngram_store.digest()}:n{store_min_n}"
+        if lookup_max_ngram != 3 or prefer_store is not None:
+            self.fingerprint += f":m{lookup_max_ngram}:p{prefer_store}"
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """The verifier's embedding of `ids`, on the drafter's device (the embedding may live on another GPU)."""
@@ -386,8 +397,8 @@ class BlockDiffusionDrafter(Drafter):
 
     def lookup(self, committed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens, confidences) that need no model: a match in the context continued by the n-gram store."""
-        return lookup_draft(committed, self.lookup_ngram, max(self.lookup_ngram, 3), self.lookup_tokens,
-                            self.ngram_store, self.store_min_n)
+        return lookup_draft(committed, self.lookup_ngram, self.lookup_max_ngram, self.lookup_tokens, self.ngram_store,
+                            self.store_min_n, self.prefer_store)
 
     def _choose(self, ctx, logits, block, known, given_confidence, max_tokens) -> Draft:
         """Tokens for the first `max_tokens` draft positions: given ones as they are, the rest chosen from logits."""

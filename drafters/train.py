@@ -244,15 +244,16 @@ def estimate_tau(arch, model, embed, head, store, anchors, vmap, vocab, block_si
     return 1 + float(lengths.mean()), by_position
 
 
-def lookup_tau(store, anchors, block_size, ngrams=None, min_ngram: int = 1, store_min_n: int = 2) -> float:
-    """The same estimate for prompt lookup (n-gram 1..3 over prompt + answer so far; min_ngram = 0: none),
-    continued by the n-gram store `ngrams` if given, for reference."""
+def lookup_tau(store, anchors, block_size, ngrams=None, min_ngram: int = 1, store_min_n: int = 2, max_ngram: int = 3,
+               prefer_store: float | None = None) -> float:
+    """The same estimate for prompt lookup (n-gram min_ngram..max_ngram over prompt + answer so far; min_ngram = 0:
+    none), continued by the n-gram store `ngrams` if given (`lookup_draft`), for reference."""
     lengths = []
     for i, chosen in anchors:
         s = store.sequence(i)
         ids = torch.from_numpy(s["ids"].astype(np.int64))
         for a in chosen:
-            draft, _ = lookup_draft(ids[: a + 1], min_ngram, 3, block_size - 1, ngrams, store_min_n)
+            draft, _ = lookup_draft(ids[: a + 1], min_ngram, max_ngram, block_size - 1, ngrams, store_min_n, prefer_store)
             full, ok, _ = block_targets(s, np.array([a]), block_size)
             k = len(draft)
             hit = (draft.numpy() == full[0, :k]) & ok[0, :k]

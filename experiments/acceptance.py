@@ -95,6 +95,12 @@ DRAFTERS: dict[str, DrafterEntry | None] = {
     "block-long-lookup-store": DrafterEntry(
         lambda block, reference, model: trained_drafters.block(model, block, long_lookup=True, store=True),
         default_block_size=trained_drafters.LONG_LOOKUP_TOKENS),
+    # The default drafter (`hybrid.load_default()`, session 8): the above with the longest context match up to 32 tokens,
+    # and the store preferred over a one-token match; and the same lookup without the model.
+    "default": DrafterEntry(lambda block, reference, model: trained_drafters.default(model, block),
+                            default_block_size=trained_drafters.LONG_LOOKUP_TOKENS),
+    "match-store": DrafterEntry(lambda block, reference, model: trained_drafters.match_store(block),
+                                default_block_size=trained_drafters.LONG_LOOKUP_TOKENS),
     # The 1-layer AR baseline of the same trainable budget (`python -m drafters.train --arch ar`).
     "ar": DrafterEntry(lambda block, reference, model: trained_drafters.ar(model, block), default_block_size=6),
 }
@@ -228,7 +234,7 @@ def expand_configs(drafters: list[str], schedulers: list[str], block_sizes: list
             raise ValueError(f"unknown drafter {name!r}: choose from {sorted(DRAFTERS)}")
     for name in schedulers:
         check_scheduler_name(name)
-    fixed_k = {name: int(name.split("-")[1]) if name.startswith("fixed-") else None for name in schedulers}
+    ks = {name: int(name.split("-")[1]) if name.startswith("fixed-") else None for name in schedulers}
     for size in block_sizes or []:
         if size < 1:
             raise ValueError(f"block size {size} must be >= 1")
@@ -245,7 +251,7 @@ def expand_configs(drafters: list[str], schedulers: list[str], block_sizes: list
             if entry.max_block_size is not None and size > entry.max_block_size:
                 raise ValueError(f"block size {size} is above drafter {name!r}'s maximum of {entry.max_block_size}")
             for scheduler in schedulers:
-                k = fixed_k[scheduler]
+                k = ks[scheduler]
                 if k is not None and k > size:
                     raise ValueError(
                         f"scheduler {scheduler} verifies {k} tokens but block size {size} lets the drafter propose "
@@ -467,6 +473,32 @@ def matches_text(row: dict) -> str:
     return "" if row["matches_generate"] is None else f"{row['matches_generate']}/{row['checked_against_generate']}"
 
 
+def fixed_k(row: dict) -> int | None:
+    """The k of a fixed-k row ("fixed" is k = block size), None for any other scheduler."""
+    name = row["scheduler"] or ""
+    if name == "fixed":
+        return row["block_size"]
+    return int(name.split("-")[1]) if name.startswith("fixed-") else None
+
+
+def against_fixed(rows: list[dict]) -> list[str]:
+    """For every adaptive scheduler run next to fixed-k runs of the same (dataset, drafter, block, T): its tokens/s
+    against the best of those fixed k (chosen in hindsight) and against the largest k swept."""
+    lines = []
+    group = lambda r: (r["dataset"], r["drafter"], r["block_size"], r["temperature"])  # noqa: E731
+    for r in rows:
+        fixed = {fixed_k(f): f for f in rows if group(f) == group(r) and fixed_k(f) is not None}
+        if fixed_k(r) is not None or r["scheduler"] is None or not fixed:
+            continue
+        best_k = max(fixed, key=lambda k: fixed[k]["tokens_per_s"])
+        best, largest = fixed[best_k], fixed[max(fixed)]
+        lines.append(f"{r['dataset']} {r['drafter']} b={r['block_size']} T={r['temperature']:g}: {r['scheduler']} "
+                     f"{r['tokens_per_s']:.1f} tok/s = {r['tokens_per_s'] / best['tokens_per_s']:.2f}x the best fixed k in "
+                     f"hindsight (k = {best_k} of {len(fixed)} swept, {best['tokens_per_s']:.1f}), "
+                     f"{r['tokens_per_s'] / largest['tokens_per_s']:.2f}x fixed k = {max(fixed)} ({largest['tokens_per_s']:.1f})")
+    return lines
+
+
 def report_markdown(plan: Plan, rows: list[dict], command: str, processes: int, plot_files: list[str]) -> str:
     datasets = ", ".join(dict.fromkeys(f"{p.dataset} ({sum(q.dataset == p.dataset for q in plan.prompts)})"
                                        for p in plan.prompts))  # fmt: skip
@@ -488,6 +520,9 @@ def report_markdown(plan: Plan, rows: list[dict], command: str, processes: int, 
             f"| {r['runs']} | {r['mean_tau']:.2f} | {r['tokens_per_s']:.1f} | {r['baseline_tokens_per_s']:.1f} "
             f"| {r['speedup']:.2f}x | {fmt(r['acceptance_rate'])} | {matches_text(r) or '-'} |"
         )
+    comparisons = against_fixed(rows)
+    if comparisons:
+        lines += ["", "## Adaptive schedulers against fixed k", ""] + [f"* {line}" for line in comparisons]
     drafting = [r for r in rows if r["acceptance_by_position"]]
     if drafting:
         depth = max(len(r["acceptance_by_position"]) for r in drafting)
@@ -538,6 +573,8 @@ def print_summary(rows: list[dict], out: Path, plotted: bool) -> None:
         print(f"{r['dataset']:<{d}}{config_label(r):<{c}}{r['runs']:>5}{r['mean_tau']:>7.2f}{r['tokens_per_s']:>8.1f}"
               f"{r['baseline_tokens_per_s']:>8.1f}{r['speedup']:>9.2f}x{fmt(r['acceptance_rate']):>10}  "
               f"{matches_text(r) or '-'}")  # fmt: skip
+    for line in against_fixed(rows):
+        print(line)
     written = [RUNS_FILE, SUMMARY_FILE, REPORT_FILE] + (["*.png"] if plotted else [])
     print(f"wrote {', '.join(str(out / name) for name in written)}")
     if not plotted:

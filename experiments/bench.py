@@ -5,8 +5,8 @@
 
 Methods: plain `model.generate`; HF assisted generation with prompt lookup; hybrid with no drafter,
 with prompt lookup (alone and continued by the shipped n-gram store, `hybrid-lookup-store`), with the shipped
-block-diffusion drafter (alone, with n-gram lookup, and with lookup and the store: `hybrid-block-lookup-store`,
-the default drafter of `hybrid.load_default()`), with the
+block-diffusion drafter (alone, with n-gram lookup, with lookup and the store: `hybrid-block-lookup-store`, and as
+`hybrid.load_default()` builds it: `hybrid-default`; its lookup without the model is `hybrid-match-store`), with the
 1-layer AR baseline drafter (`python -m drafters.train --arch ar`), and with an oracle drafter that
 proposes the verifier's own greedy continuation at zero cost (the ceiling of speculative decoding for
 this verifier on this machine: every method is also reported as a fraction of it). Greedy only: every
@@ -44,9 +44,10 @@ from schedulers import FixedScheduler
 from schedulers.registry import NAMES_HELP, check_scheduler_name, make_scheduler
 
 METHODS = ("plain", "hf-lookup", "hybrid-none", "hybrid-lookup", "hybrid-lookup-store", "hybrid-block", "hybrid-block-lookup",
-           "hybrid-block-lookup-store", "hybrid-block-long-lookup", "hybrid-block-long-lookup-store", "hybrid-ar", "oracle")
-DEFAULT_METHODS = ("plain", "hf-lookup", "hybrid-none", "hybrid-lookup", "hybrid-block-lookup-store", "oracle")
-TRAINED = ("hybrid-block", "hybrid-block-lookup", "hybrid-block-lookup-store", "hybrid-block-long-lookup",
+           "hybrid-block-lookup-store", "hybrid-block-long-lookup", "hybrid-block-long-lookup-store", "hybrid-match-store", "hybrid-default", "hybrid-ar",
+           "oracle")
+DEFAULT_METHODS = ("plain", "hf-lookup", "hybrid-none", "hybrid-lookup", "hybrid-default", "oracle")
+TRAINED = ("hybrid-block", "hybrid-block-lookup", "hybrid-block-lookup-store", "hybrid-block-long-lookup", "hybrid-default",
            "hybrid-block-long-lookup-store", "hybrid-ar")  # drafters trained for the default verifier
 RECORDS_FILE = "bench.jsonl"
 _SCHEDULERS: dict[str, object] = {}  # one per "method@scheduler", kept across prompts as the default one is
@@ -72,6 +73,8 @@ def make_drafter(method: str, model, reference: torch.Tensor):
         "hybrid-block-long-lookup": lambda: trained_drafters.block(model, trained_drafters.LONG_LOOKUP_TOKENS, long_lookup=True),
         "hybrid-block-long-lookup-store": lambda: trained_drafters.block(model, trained_drafters.LONG_LOOKUP_TOKENS,
                                                                          long_lookup=True, store=True),
+        "hybrid-match-store": lambda: trained_drafters.match_store(trained_drafters.LONG_LOOKUP_TOKENS),
+        "hybrid-default": lambda: trained_drafters.default(model),
         "hybrid-ar": lambda: trained_drafters.ar(model, drafted),
         "oracle": lambda: OracleDrafter(reference),
     }[method]()

@@ -83,6 +83,10 @@ def row(name: str, tau: float, by_position) -> str:
     return f"| {name} | {tau:.3f} | {' / '.join(f'{x:.3f}' for x in by_position)} |"
 
 
+def match(max_ngram: int) -> str:
+    return "" if max_ngram == 3 else f" (matches up to {max_ngram} tokens)"
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m experiments.heldout", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -93,6 +97,9 @@ def main(argv=None) -> None:
     parser.add_argument("--passes", default="1", help="denoising passes to score the block drafters with, e.g. 1,2,3")
     parser.add_argument("--lookup", default="7,15", help="prompt lookup's draft lengths")
     parser.add_argument("--ngram-store", type=Path, default=None, help="also an NgramStore alone and continuing prompt lookup")
+    parser.add_argument("--max-ngrams", default="3", help="longest context matches prompt lookup looks for, e.g. 3,8,32")
+    parser.add_argument("--prefer-store", type=float, default=None, help="also lookup + store with the store's continuation "
+                                                                        "preferred over a one-token match at this share")
     parser.add_argument("--reveal", action="store_true", help="also the teacher-forced accuracy with the first token given")
     parser.add_argument("--work-dir", type=Path, default=DEFAULT_WORK_DIR)
     args = parser.parse_args(argv)
@@ -102,6 +109,9 @@ def main(argv=None) -> None:
     if args.ar and not args.block:
         parser.error("--ar needs a --block checkpoint: the baseline drafts over that drafter's vocabulary, as in training")
     passes, lookups = positive_ints(parser, "--passes", args.passes), positive_ints(parser, "--lookup", args.lookup)
+    max_ngrams = positive_ints(parser, "--max-ngrams", args.max_ngrams)
+    if args.prefer_store is not None and (args.ngram_store is None or not 0 <= args.prefer_store <= 1):
+        parser.error("--prefer-store needs --ngram-store and a share in [0, 1]")
     torch.set_grad_enabled(False)
     from hybrid.default import load_verifier
 
@@ -113,11 +123,18 @@ def main(argv=None) -> None:
     anchors = held_out_anchors(store, list(range(len(store))), per_seq=ANCHORS_PER_ANSWER, seed=0)
     print(f"{sum(len(a) for _, a in anchors)} anchors\n\n| drafter | held-out tau | accepted at positions 1 / 2 / ... |\n|---|---:|---|")
     for n in lookups:
-        print(f"| prompt lookup, {n} tokens | {lookup_tau(store, anchors, n + 1):.3f} | |")
+        for m in max_ngrams:
+            print(f"| prompt lookup{match(m)}, {n} tokens | {lookup_tau(store, anchors, n + 1, max_ngram=m):.3f} | |")
     if ngrams is not None:
         for n in lookups:
             print(f"| n-gram store alone, {n} tokens | {lookup_tau(store, anchors, n + 1, ngrams, min_ngram=0):.3f} | |")
-            print(f"| prompt lookup + n-gram store, {n} tokens | {lookup_tau(store, anchors, n + 1, ngrams):.3f} | |")
+            for m in max_ngrams:
+                tau = lookup_tau(store, anchors, n + 1, ngrams, max_ngram=m)
+                print(f"| prompt lookup{match(m)} + n-gram store, {n} tokens | {tau:.3f} | |")
+                if args.prefer_store is not None:
+                    tau = lookup_tau(store, anchors, n + 1, ngrams, max_ngram=m, prefer_store=args.prefer_store)
+                    print(f"| prompt lookup{match(m)} + n-gram store, preferred over a 1-token match at share "
+                          f">= {args.prefer_store}, {n} tokens | {tau:.3f} | |")
     vocab_size = verifier.get_input_embeddings().weight.shape[0]
     for path, model in blocks:
         embed, head = frozen_verifier_parts(verifier, model.draft_vocab)

@@ -29,7 +29,22 @@ for set in humaneval mt-bench; do  # the same drafters with repeats
         --methods plain,hybrid-lookup,hybrid-lookup-store,hybrid-block-lookup,hybrid-block-long-lookup-store \
         --out runs/bench-store-$set | tee runs/bench-store-$set/table.txt
 done
-# The schedulers with the default drafter, which proposes up to 16 tokens.
+# Session 8: the default drafter (longest context match up to 32 tokens, the store preferred over a one-token match)
+# and its lookup without the model; every fixed k against the cost-aware scheduler; with repeats.
+python -m experiments.acceptance --datasets mt-bench,humaneval --drafters match-store,default --schedulers fixed,cost-aware \
+    --block-sizes 16 --num-prompts 6 --max-new-tokens 256 --out runs/default-v8
+python -m experiments.acceptance --datasets mt-bench,humaneval --drafters default --schedulers \
+    fixed-1,fixed-2,fixed-3,fixed-4,fixed-5,fixed-6,fixed-7,fixed-8,fixed-9,fixed-10,fixed-11,fixed-12,fixed-13,fixed-14,fixed-15,fixed-16,heuristic,cost-aware \
+    --block-sizes 16 --num-prompts 6 --max-new-tokens 256 --out runs/schedulers-v4
+# The issue-3 comparison at one k: prompt lookup, the 1-layer AR baseline and the default, all verifying 16 drafts.
+python -m experiments.acceptance --datasets mt-bench,humaneval --drafters lookup,ar,default --schedulers fixed --block-sizes 16 \
+    --num-prompts 6 --max-new-tokens 256 --out runs/same-k
+for set in humaneval mt-bench; do
+    mkdir -p runs/bench-default-$set && python -m experiments.bench --dataset $set --num-prompts 4 --max-new-tokens 256 --repeats 2 \
+        --methods plain,hybrid-match-store,hybrid-default,hybrid-default@fixed-4,hybrid-default@fixed-11,hybrid-default@fixed-13,hybrid-default@fixed-16 \
+        --out runs/bench-default-$set | tee runs/bench-default-$set/table.txt
+done
+# The schedulers with the session-7 default drafter, which proposes up to 16 tokens.
 python -m experiments.acceptance --datasets mt-bench,humaneval --drafters block-long-lookup-store \
     --schedulers fixed-1,fixed-2,fixed-3,fixed-4,fixed-7,fixed-10,fixed-13,fixed-16,heuristic,cost-aware --block-sizes 16 \
     --num-prompts 6 --max-new-tokens 128 --out runs/schedulers-v3
@@ -51,7 +66,8 @@ done
 mkdir -p runs/batching && python -m experiments.batching --dataset mt-bench --num-prompts 4 --batch-sizes 1,2,4 \
     --max-new-tokens 64 --out runs/batching | tee runs/batching/batching.txt
 for run in drafters schedulers calibration trained trained-t07 trained-store trained-store-long trained-store-t07 bench-store-humaneval \
-    bench-store-mt-bench schedulers-v2 schedulers-v3 memory bench-mt batching; do
+    bench-store-mt-bench default-v8 same-k schedulers-v4 bench-default-humaneval bench-default-mt-bench schedulers-v2 schedulers-v3 memory \
+    bench-mt batching; do
     mkdir -p "docs/results/$run"
     cp runs/$run/*.png runs/$run/*.md runs/$run/*.csv runs/$run/*.json runs/$run/*.txt "docs/results/$run/" 2>/dev/null || true
 done

@@ -9,7 +9,9 @@ from drafters import BlockDiffusionDrafter, ModelDrafter
 from drafters.ar_baseline import load_ar_model
 from drafters.train import DEFAULT_WORK_DIR
 from drafters.ngram_store import NgramStore
-from hybrid.default import DRAFTER_DIR, DRAFTER_LOOKUP_NGRAM, DRAFTER_LOOKUP_TOKENS, DRAFTER_NGRAM_DIR, shipped_block_size
+from drafters import PromptLookupDrafter
+from hybrid.default import (DRAFTER_DIR, DRAFTER_LOOKUP_MAX_NGRAM, DRAFTER_LOOKUP_NGRAM, DRAFTER_LOOKUP_TOKENS, DRAFTER_NGRAM_DIR,
+                            DRAFTER_PREFER_STORE, default_drafter, shipped_block_size)
 
 AR_DIR = DEFAULT_WORK_DIR / "ar-drafter"
 MAX_DRAFTED = shipped_block_size() - 1  # the shipped drafter's block minus its anchor
@@ -27,6 +29,20 @@ def block(model, drafted: int, lookup: bool = False, steps: int = 1, path: Path 
         lookup_ngram=DRAFTER_LOOKUP_NGRAM if lookup or long_lookup else 0, lookup_tokens=drafted if long_lookup else None,
         ngram_store=ngram_store() if store else None,
     )  # fmt: skip
+
+
+@lru_cache(maxsize=None)
+def default(model, drafted: int = DRAFTER_LOOKUP_TOKENS) -> BlockDiffusionDrafter:
+    """`hybrid.load_default()`'s drafter (the block model, the longest context match up to 32 tokens and the store),
+    proposing up to `drafted` tokens (16 by default)."""
+    return default_drafter(model, ngram_store=ngram_store(), lookup_tokens=drafted,
+                           block_size=min(drafted, MAX_DRAFTED) + 1)
+
+
+def match_store(drafted: int) -> PromptLookupDrafter:
+    """The default's lookup without its model: the longest context match, the store, and the store's preference."""
+    return PromptLookupDrafter(max_ngram=DRAFTER_LOOKUP_MAX_NGRAM, max_draft_len=drafted, ngram_store=ngram_store(),
+                               prefer_store=DRAFTER_PREFER_STORE)
 
 
 @lru_cache(maxsize=None)

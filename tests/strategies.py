@@ -160,8 +160,9 @@ def drafters_for(draw, model, eos_token_id: int | None):
         return ModelDrafter(perturbed_copy(model, draw(st.sampled_from([0.01, 0.1])), seed), max_draft_len=8)
     store = ngram_store_for(model, seed, draw(st.booleans())) if kind in ("lookup", "block") and draw(st.booleans()) else None
     if kind == "lookup":
-        return PromptLookupDrafter(max_ngram=draw(st.integers(1, 3)), max_draft_len=draw(st.integers(1, 8)),
-                                   ngram_store=store, store_min_n=draw(st.integers(1, 3)))
+        return PromptLookupDrafter(max_ngram=draw(st.sampled_from([1, 2, 3, 32])), max_draft_len=draw(st.integers(1, 8)),
+                                   ngram_store=store, store_min_n=draw(st.integers(1, 3)),
+                                   prefer_store=draw(st.sampled_from([None, 0.0, 0.5])) if store else None)
     if kind == "adversarial":
         return AdversarialDrafter(vocab, eos_token_id, seed)
     if kind == "block":
@@ -171,6 +172,7 @@ def drafters_for(draw, model, eos_token_id: int | None):
             steps=draw(st.integers(1, 3)), threshold=draw(st.sampled_from([0.0, 0.5, 1.0])),
             lookup_ngram=lookup_ngram, lookup_tokens=draw(st.sampled_from([None, 3, 12])) if lookup_ngram or store else None,
             known_token_input=draw(st.booleans()), ngram_store=store, store_min_n=draw(st.integers(1, 3)),
+            lookup_max_ngram=draw(st.sampled_from([3, 32])), prefer_store=draw(st.sampled_from([None, 0.5])) if store else None,
         )  # fmt: skip
     return None
 

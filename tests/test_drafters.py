@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import hybrid
 from drafters import Draft, OracleDrafter, PromptLookupDrafter
-from drafters.prompt_lookup import lookup_continuation
+from drafters.ngram_store import NgramStore
+from drafters.prompt_lookup import lookup_continuation, lookup_draft
 from schedulers import FixedScheduler, HeuristicScheduler
 from strategies import tiny_model
 
@@ -29,6 +33,44 @@ def test_lookup_never_matches_the_suffix_itself_and_may_find_nothing():
     assert lookup_continuation(ids(1, 2, 3), 1, 3, 4)[0].tolist() == []
     assert lookup_continuation(ids(4), 1, 3, 4)[0].tolist() == []
     assert lookup_continuation(ids(4, 4), 1, 3, 4)[0].tolist() == [4]
+
+
+def longest_match_by_definition(ids: list[int], min_ngram: int, max_ngram: int, max_tokens: int) -> tuple[list[int], int]:
+    """For n = max_ngram down to min_ngram: the most recent earlier occurrence of the last n tokens that has a
+    token after it; what follows it."""
+    for n in range(min(max_ngram, len(ids) - 1), min_ngram - 1, -1):
+        starts = [j for j in range(len(ids) - n) if ids[j : j + n] == ids[len(ids) - n :]]
+        if starts:
+            return ids[starts[-1] + n : starts[-1] + n + max_tokens], n
+    return [], 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 3), min_size=1, max_size=40), st.integers(1, 4), st.integers(0, 40), st.integers(1, 9))
+def test_lookup_finds_the_longest_then_most_recent_match(tokens, min_ngram, extra, max_tokens):
+    max_ngram = min_ngram + extra
+    found, n = lookup_continuation(torch.tensor(tokens), min_ngram, max_ngram, max_tokens)
+    assert (found.tolist(), n) == longest_match_by_definition(tokens, min_ngram, max_ngram, max_tokens)
+
+
+def test_the_store_takes_over_from_a_one_token_match_only_when_confident():
+    # The store's answers: after (1, 2) comes 3 twice, 4 once; after (2, 3) comes 3 again.
+    store = NgramStore.build([([1, 2, 3, 3, 1, 2, 3, 3, 1, 2, 4], 0)], vocab_size=8, max_n=2, min_count=1)
+    one_token = torch.tensor([2, 7, 1, 2])  # the context's match is "2" alone (followed by 7)
+    assert lookup_draft(one_token, 1, 8, 3, store)[0].tolist() == [7, 1, 2]  # no preference: the context's match
+    tokens, confidence = lookup_draft(one_token, 1, 8, 3, store, prefer_store=0.6)
+    assert tokens.tolist() == [3, 3, 1] and confidence[0] == pytest.approx(2 / 3)  # (1, 2) -> 3 has share 2/3
+    assert lookup_draft(one_token, 1, 8, 3, store, prefer_store=0.7)[0].tolist() == [7, 1, 2]  # 2/3 < 0.7
+    two_tokens = torch.tensor([1, 2, 6, 1, 2])  # a 2-token match is kept whatever the store says
+    assert lookup_draft(two_tokens, 1, 8, 3, store, prefer_store=0.0)[0].tolist() == [6, 1, 2]
+
+
+def test_lookup_options_are_checked():
+    with pytest.raises(ValueError, match="prefer_store"):
+        PromptLookupDrafter(prefer_store=0.5)  # no store to prefer
+    store = NgramStore.build([([1, 2, 3], 0)], vocab_size=8, max_n=2, min_count=1)
+    with pytest.raises(ValueError, match="prefer_store"):
+        PromptLookupDrafter(ngram_store=store, prefer_store=1.5)
 
 
 def test_oracle_drafter_reaches_the_ceiling():

@@ -87,6 +87,18 @@ def test_summarize_pools_counts_and_throughput():
     assert b["acceptance_by_position"] == [1.0, 1.0]
 
 
+def test_adaptive_schedulers_are_compared_with_the_best_fixed_k_in_hindsight():
+    row = lambda scheduler, speed, dataset="d": {"dataset": dataset, "drafter": "x", "block_size": 16,  # noqa: E731
+                                                "temperature": 0.0, "scheduler": scheduler, "tokens_per_s": speed}
+    rows = [row("fixed-4", 20.0), row("fixed-13", 30.0), row("fixed", 25.0), row("cost-aware", 33.0),
+            row("fixed-4", 10.0, "other"), row(None, 9.0)]  # another dataset's fixed k and a drafter-less row
+    assert acceptance.fixed_k(rows[2]) == 16  # "fixed" verifies the block size
+    (line,) = acceptance.against_fixed(rows)
+    assert line.startswith("d x b=16 T=0: cost-aware 33.0 tok/s = 1.10x the best fixed k in hindsight (k = 13 of 3 swept")
+    assert line.endswith("1.32x fixed k = 16 (25.0)")
+    assert acceptance.against_fixed([row("cost-aware", 33.0)]) == []  # nothing to compare with
+
+
 # ---------------------------------------------------------------------------------------------------
 # Bad input: a clear error before any model loads
 
@@ -237,6 +249,8 @@ def test_warns_when_accelerate_cpu_launch_started_one_process(monkeypatch):
         (["--ar", "x"], "--ar needs a --block checkpoint"),
         (["--passes", "0"], "--passes '0': every value must be >= 1"),
         (["--lookup", "7,x"], "--lookup '7,x': give comma-separated integers"),
+        (["--max-ngrams", "0"], "--max-ngrams '0': every value must be >= 1"),
+        (["--prefer-store", "0.5"], "--prefer-store needs --ngram-store"),
     ],
 )
 def test_heldout_bad_input_fails_before_any_model_loads(args, message, capsys, tmp_path):

@@ -119,7 +119,7 @@ def test_the_store_continues_the_context_match_then_the_model_fills_the_block():
     assert context_only.lookup(ids)[0].tolist() == [9, 30]  # the context match: what followed 30 last time
     tokens, confidence = with_store.lookup(ids)
     assert tokens.tolist() == [9, 30, 31, 32, 33, 34, 35]  # then the store: 30 -> 31 -> ... up to the block's 7
-    assert confidence.tolist() == pytest.approx([1 / 4, 1 / 4, 1, 1, 1, 1, 1])
+    assert confidence.tolist() == pytest.approx([1 / 2, 1 / 2, 1, 1, 1, 1, 1])  # a 1-token match: 1 / (1 + 1)
     assert with_store.propose(ctx, 7).tokens.tolist() == tokens.tolist()
     assert context_only.fingerprint != with_store.fingerprint  # schedulers calibrate them apart
     no_store_hit = random_block_drafter(verifier, seed=0, block_size=8, lookup_ngram=1, ngram_store=store, store_min_n=2)
