@@ -46,7 +46,7 @@ from experiments import metrics, plots
 from experiments.datasets import load_prompts
 from hybrid.prompts import encode_prompt
 from schedulers import Scheduler
-from schedulers.registry import NAMES_HELP, check_scheduler_name, make_scheduler
+from schedulers.registry import NAMES_HELP, check_scheduler_name, fixed_k, make_scheduler
 
 RUNS_FILE, SUMMARY_FILE, REPORT_FILE = "runs.jsonl", "summary.csv", "report.md"
 
@@ -234,7 +234,6 @@ def expand_configs(drafters: list[str], schedulers: list[str], block_sizes: list
             raise ValueError(f"unknown drafter {name!r}: choose from {sorted(DRAFTERS)}")
     for name in schedulers:
         check_scheduler_name(name)
-    ks = {name: int(name.split("-")[1]) if name.startswith("fixed-") else None for name in schedulers}
     for size in block_sizes or []:
         if size < 1:
             raise ValueError(f"block size {size} must be >= 1")
@@ -251,7 +250,7 @@ def expand_configs(drafters: list[str], schedulers: list[str], block_sizes: list
             if entry.max_block_size is not None and size > entry.max_block_size:
                 raise ValueError(f"block size {size} is above drafter {name!r}'s maximum of {entry.max_block_size}")
             for scheduler in schedulers:
-                k = ks[scheduler]
+                k = fixed_k(scheduler, size)
                 if k is not None and k > size:
                     raise ValueError(
                         f"scheduler {scheduler} verifies {k} tokens but block size {size} lets the drafter propose "
@@ -473,24 +472,21 @@ def matches_text(row: dict) -> str:
     return "" if row["matches_generate"] is None else f"{row['matches_generate']}/{row['checked_against_generate']}"
 
 
-def fixed_k(row: dict) -> int | None:
-    """The k of a fixed-k row ("fixed" is k = block size), None for any other scheduler."""
-    name = row["scheduler"] or ""
-    if name == "fixed":
-        return row["block_size"]
-    return int(name.split("-")[1]) if name.startswith("fixed-") else None
-
-
 def against_fixed(rows: list[dict]) -> list[str]:
     """For every adaptive scheduler run next to fixed-k runs of the same (dataset, drafter, block, T): its tokens/s
     against the best of those fixed k (chosen in hindsight) and against the largest k swept."""
-    lines = []
     group = lambda r: (r["dataset"], r["drafter"], r["block_size"], r["temperature"])  # noqa: E731
-    for r in rows:
-        fixed = {fixed_k(f): f for f in rows if group(f) == group(r) and fixed_k(f) is not None}
-        if fixed_k(r) is not None or r["scheduler"] is None or not fixed:
+    ks = [None if r["scheduler"] is None else fixed_k(r["scheduler"], r["block_size"]) for r in rows]
+    fixed_by_group: dict[tuple, dict[int, dict]] = {}
+    for r, k in zip(rows, ks):
+        if k is not None:
+            fixed_by_group.setdefault(group(r), {})[k] = r
+    lines = []
+    for r, k in zip(rows, ks):
+        fixed = fixed_by_group.get(group(r))
+        if k is not None or r["scheduler"] is None or not fixed:
             continue
-        best_k = max(fixed, key=lambda k: fixed[k]["tokens_per_s"])
+        best_k = max(fixed, key=lambda j: fixed[j]["tokens_per_s"])
         best, largest = fixed[best_k], fixed[max(fixed)]
         lines.append(f"{r['dataset']} {r['drafter']} b={r['block_size']} T={r['temperature']:g}: {r['scheduler']} "
                      f"{r['tokens_per_s']:.1f} tok/s = {r['tokens_per_s'] / best['tokens_per_s']:.2f}x the best fixed k in "

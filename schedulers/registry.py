@@ -25,12 +25,19 @@ def check_scheduler_name(name: str) -> None:
     raise ValueError(f"unknown scheduler {name!r}: use {NAMES_HELP}")
 
 
+def fixed_k(name: str, block_size: int | None) -> int | None:
+    """The k a fixed scheduler's name verifies ("fixed": the block size, "fixed-K": K); None for any other name."""
+    if name == "fixed":
+        return block_size
+    return int(name.split("-", 1)[1]) if name.startswith("fixed-") else None
+
+
 def make_scheduler(name: str, block_size: int) -> Scheduler:
     check_scheduler_name(name)
     if name == "heuristic":
         return HeuristicScheduler()
     if name == "cost-aware":
         return CostAwareScheduler()
-    if name.startswith("fixed"):
-        return FixedScheduler(int(name.split("-", 1)[1]) if "-" in name else block_size)
+    if (k := fixed_k(name, block_size)) is not None:
+        return FixedScheduler(k)
     return ConfidenceScheduler(float(name.split("-", 1)[1])) if "-" in name else ConfidenceScheduler()

@@ -92,7 +92,7 @@ def test_adaptive_schedulers_are_compared_with_the_best_fixed_k_in_hindsight():
                                                 "temperature": 0.0, "scheduler": scheduler, "tokens_per_s": speed}
     rows = [row("fixed-4", 20.0), row("fixed-13", 30.0), row("fixed", 25.0), row("cost-aware", 33.0),
             row("fixed-4", 10.0, "other"), row(None, 9.0)]  # another dataset's fixed k and a drafter-less row
-    assert acceptance.fixed_k(rows[2]) == 16  # "fixed" verifies the block size
+    assert acceptance.fixed_k(rows[2]["scheduler"], rows[2]["block_size"]) == 16  # "fixed" verifies the block size
     (line,) = acceptance.against_fixed(rows)
     assert line.startswith("d x b=16 T=0: cost-aware 33.0 tok/s = 1.10x the best fixed k in hindsight (k = 13 of 3 swept")
     assert line.endswith("1.32x fixed k = 16 (25.0)")
