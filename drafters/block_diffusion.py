@@ -27,7 +27,7 @@ from torch import nn
 
 from drafters.base import Draft, DraftContext, Drafter, check_same_verifier
 from drafters.ngram_store import NgramStore, check_store_fits
-from drafters.prompt_lookup import lookup_draft
+from drafters.prompt_lookup import check_prefer_store, lookup_draft
 
 CONFIG_NAME = "drafter_config.json"
 FEATURE_CLIP = 8.0
@@ -280,8 +280,7 @@ class BlockDiffusionDrafter(Drafter):
             raise ValueError("lookup_tokens needs lookup_ngram >= 1 or an ngram_store (it caps what lookup proposes)")
         if lookup_max_ngram < max(lookup_ngram, 1):
             raise ValueError(f"lookup_max_ngram must be >= max(lookup_ngram, 1) = {max(lookup_ngram, 1)}, got {lookup_max_ngram}")
-        if prefer_store is not None and (ngram_store is None or not 0.0 <= prefer_store <= 1.0):
-            raise ValueError(f"prefer_store={prefer_store!r} needs an ngram_store and a share in [0, 1]")
+        check_prefer_store(prefer_store, ngram_store)
         lookup_tokens = block_size - 1 if lookup_tokens is None else lookup_tokens
         if lookup_tokens < 1:
             raise ValueError(f"lookup_tokens must be >= 1, got {lookup_tokens}")

@@ -28,8 +28,7 @@ class PromptLookupDrafter(Drafter):
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got min_ngram={min_ngram}, max_ngram={max_ngram}")
         if max_draft_len < 1:
             raise ValueError(f"max_draft_len must be >= 1, got {max_draft_len}")
-        if prefer_store is not None and (ngram_store is None or not 0.0 <= prefer_store <= 1.0):
-            raise ValueError(f"prefer_store={prefer_store!r} needs an ngram_store and a share in [0, 1]")
+        check_prefer_store(prefer_store, ngram_store)
         self.max_ngram, self.min_ngram, self.max_draft_len = max_ngram, min_ngram, max_draft_len
         self.ngram_store, self.store_min_n = NgramStore.load(ngram_store, store_min_n), store_min_n
         self.prefer_store = prefer_store
@@ -60,8 +59,9 @@ def lookup_draft(ids: torch.Tensor, min_ngram: int, max_ngram: int, max_tokens: 
         return tokens, torch.full(tokens.shape, n / (n + 1))
     recent = ids[-store.max_n :].tolist()
     if n == 1 and prefer_store is not None:
-        own, shares = store.continuation(recent, max_tokens, store_min_n)
-        if own and shares[0] >= prefer_store:
+        first = store.next_token(recent, store_min_n)  # (token, share, n): decide on it before chaining the rest
+        if first is not None and first[1] >= prefer_store:
+            own, shares = store.continuation(recent, max_tokens, store_min_n)
             return ids.new_tensor(own), torch.tensor(shares)
     confidence = torch.full(tokens.shape, n / (n + 1))
     if tokens.shape[0] < max_tokens:
@@ -69,6 +69,12 @@ def lookup_draft(ids: torch.Tensor, min_ngram: int, max_ngram: int, max_tokens: 
         tokens = torch.cat([tokens, ids.new_tensor(more)])
         confidence = torch.cat([confidence, torch.tensor(shares)])
     return tokens, confidence
+
+
+def check_prefer_store(prefer_store: float | None, store) -> None:
+    """`prefer_store` (see `lookup_draft`) is a share, and only means something with a store."""
+    if prefer_store is not None and (store is None or not 0.0 <= prefer_store <= 1.0):
+        raise ValueError(f"prefer_store={prefer_store!r} needs an ngram_store and a share in [0, 1]")
 
 
 def lookup_continuation(ids: torch.Tensor, min_ngram: int, max_ngram: int, max_tokens: int) -> tuple[torch.Tensor, int]:
@@ -82,7 +88,7 @@ def lookup_continuation(ids: torch.Tensor, min_ngram: int, max_ngram: int, max_t
     length = ids.shape[0]
     # Candidates end at j <= length - 2: each has at least one token after it, and the suffix is never its own match.
     ends = (ids[: length - 1] == ids[-1]).nonzero()[:, 0]
-    if ends.numel() == 0 or max_ngram < 1:
+    if ends.numel() == 0:
         return ids.new_empty(0), 0
     back = torch.arange(min(max_ngram, length - 1), device=ids.device)
     before = ends[:, None] - back  # [candidates, n]: positions j, j - 1, ... of each candidate

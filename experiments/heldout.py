@@ -30,6 +30,7 @@ from drafters.ar_baseline import load_ar_model
 from drafters.block_diffusion import frozen_verifier_parts, load_model
 from drafters.distill import FeatureStore, build_features, load_sequences
 from drafters.ngram_store import NgramStore
+from drafters.prompt_lookup import check_prefer_store
 from drafters.train import DEFAULT_WORK_DIR, block_batch, block_forward, estimate_tau, held_out_anchors, held_out_indices, lookup_tau
 from drafters.training import VocabMap
 
@@ -110,7 +111,9 @@ def main(argv=None) -> None:
         parser.error("--ar needs a --block checkpoint: the baseline drafts over that drafter's vocabulary, as in training")
     passes, lookups = positive_ints(parser, "--passes", args.passes), positive_ints(parser, "--lookup", args.lookup)
     max_ngrams = positive_ints(parser, "--max-ngrams", args.max_ngrams)
-    if args.prefer_store is not None and (args.ngram_store is None or not 0 <= args.prefer_store <= 1):
+    try:
+        check_prefer_store(args.prefer_store, args.ngram_store)
+    except ValueError:
         parser.error("--prefer-store needs --ngram-store and a share in [0, 1]")
     torch.set_grad_enabled(False)
     from hybrid.default import load_verifier
