@@ -327,7 +327,8 @@ class BlockDiffusionDrafter(Drafter):
 
     def _sync_context(self, ctx: DraftContext, committed: torch.Tensor) -> tuple[int, torch.Tensor, list]:
         """Bring this row's projected context (kept in the verifier's shared cache, which a rollback cuts back)
-        up to the verifier states of committed[:-1]; return its length, those states and per layer (keys, values)."""
+        up to the verifier states of committed[:-1]; return its length n, those states and per layer (keys,
+        values): the first n slots, or on a static cache every slot (the caller masks those past n)."""
         states = ctx.hidden_states()
         if states is None:
             raise ValueError("the verifier keeps no hidden states: run BlockDiffusionDrafter through hybrid.generate")
@@ -346,7 +347,8 @@ class BlockDiffusionDrafter(Drafter):
             for buffer, (k, v) in zip(buffers, self.model.context(features, positions)):
                 buffer[row, done:n] = torch.stack([k[0], v[0]]).permute(2, 0, 1, 3)  # [n, 2, kv_heads, d]
             cache.drafter_computed(row, n)
-        context = [(b[row : row + 1, :n, 0].transpose(1, 2), b[row : row + 1, :n, 1].transpose(1, 2)) for b in buffers]
+        end = cache.capacity if cache.static else n
+        context = [(b[row : row + 1, :end, 0].transpose(1, 2), b[row : row + 1, :end, 1].transpose(1, 2)) for b in buffers]
         return n, states, context
 
     @torch.inference_mode()
@@ -360,7 +362,15 @@ class BlockDiffusionDrafter(Drafter):
                     else self.model.feature_gate.new_zeros(self.model.feature_gate.shape))
         embeds = self.model.block_inputs(self.embed(block), known, last)
         positions = torch.arange(n, n + block.shape[0], device=block.device)[None]
-        hidden = self.model(embeds[None].to(self.model.norm.weight.dtype), positions, context)
+        forward, mask = self.model, None
+        if ctx.verifier.cache.static:  # one shape at every step: the context's slots past n are masked
+            forward = ctx.verifier.compiled(self.model)
+            capacity = context[0][0].shape[2]
+            keys = torch.arange(capacity + block.shape[0], device=block.device)  # [context slots ; block]
+            mask = ((keys < n) | (keys >= capacity)).expand(1, 1, block.shape[0], -1)
+            if forward is not self.model:  # the last pass's output is consumed: CUDA graphs may reuse it
+                torch.compiler.cudagraph_mark_step_begin()
+        hidden = forward(embeds[None].to(self.model.norm.weight.dtype), positions, context, mask)
         return (hidden[0, 1:] @ self.head.T.to(hidden.dtype)).float()
 
     @torch.inference_mode()

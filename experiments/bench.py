@@ -12,7 +12,11 @@ proposes the verifier's own greedy continuation at zero cost (the ceiling of spe
 this verifier on this machine: every method is also reported as a fraction of it). Greedy only: every
 output is checked against plain `generate`'s. A hybrid method takes a scheduler after `@`
 (`hybrid-block-lookup@fixed-4`, names as in experiments.acceptance); without one it uses `generate`'s
-default (cost-aware, learning across the prompts).
+default (cost-aware, learning across the prompts). Plain and hybrid methods take a cache layout after `+`:
+`+static` (`cache_implementation="static"`, run eagerly) or `+compiled` (static and compiled as
+`model.generate` compiles a static cache: CUDA graphs on a GPU, inductor on a CPU), e.g.
+`plain+compiled,hybrid-default+compiled@fixed-8`. A compiled method runs each prompt once untimed first
+(compiling what its shapes need); those warm-up seconds are printed and kept in summary.json.
 
 Every (repeat, prompt, method) measurement is appended to OUT/bench.jsonl as it finishes; rerunning the
 same command resumes, skipping what is there. A method's tokens/s in one repeat is its tokens over its
@@ -34,6 +38,7 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm
+from transformers import CompileConfig
 
 import hybrid
 from drafters import OracleDrafter, PromptLookupDrafter
@@ -51,12 +56,33 @@ TRAINED = ("hybrid-block", "hybrid-block-lookup", "hybrid-block-lookup-store", "
            "hybrid-block-long-lookup-store", "hybrid-ar")  # drafters trained for the default verifier
 RECORDS_FILE = "bench.jsonl"
 _SCHEDULERS: dict[str, object] = {}  # one per "method@scheduler", kept across prompts as the default one is
+WARM_UP: dict[str, float] = {}  # compiled method -> seconds of its warm-up call in this process
+
+
+LAYOUTS = ("static", "compiled")  # cache layouts a method may add after "+"
 
 
 def split_method(method: str) -> tuple[str, str | None]:
     """"hybrid-block-lookup@fixed-4" -> ("hybrid-block-lookup", "fixed-4"); no "@" -> (method, None)."""
     base, _, scheduler = method.partition("@")
     return base, scheduler or None
+
+
+def split_layout(method: str) -> tuple[str, str | None]:
+    """"hybrid-default+compiled" -> ("hybrid-default", "compiled"); no "+" -> (method, None)."""
+    base, _, layout = method.partition("+")
+    return base, layout or None
+
+
+def layout_settings(layout: str | None) -> dict:
+    """The `generate` arguments of a cache layout (the same for plain and hybrid methods)."""
+    if layout is None:
+        return {}
+    if layout == "static":
+        return {"cache_implementation": "static", "disable_compile": True}
+    config = CompileConfig()  # transformers' default: CUDA graphs on a GPU
+    config._compile_all_devices = True  # compile on a CPU too, where model.generate would not by default
+    return {"cache_implementation": "static", "compile_config": config}
 
 
 def make_drafter(method: str, model, reference: torch.Tensor):
@@ -83,7 +109,10 @@ def make_drafter(method: str, model, reference: torch.Tensor):
 def run_method(method: str, model, input_ids, reference, max_new_tokens: int) -> tuple[torch.Tensor, float, float | None]:
     """(output, seconds, tau or None) for one method on one prompt."""
     settings = {"max_new_tokens": max_new_tokens, "do_sample": False, "attention_mask": torch.ones_like(input_ids)}
+    name = method
     method, scheduler_name = split_method(method)
+    method, layout = split_layout(method)
+    settings |= layout_settings(layout)
     drafter = None if method in ("plain", "hf-lookup") else make_drafter(method, model, reference)
     start = time.perf_counter()
     if method == "plain":
@@ -93,8 +122,7 @@ def run_method(method: str, model, input_ids, reference, max_new_tokens: int) ->
     else:
         scheduler = FixedScheduler(16) if method == "oracle" and scheduler_name is None else None
         if scheduler_name is not None:
-            key = f"{method}@{scheduler_name}"
-            scheduler = _SCHEDULERS.setdefault(key, make_scheduler(scheduler_name, drafter.max_draft_len))
+            scheduler = _SCHEDULERS.setdefault(name, make_scheduler(scheduler_name, drafter.max_draft_len))
         out, stats = hybrid.generate(model, input_ids, drafter=drafter, scheduler=scheduler, return_stats=True, **settings)
         tau = stats.tau
     return out, time.perf_counter() - start, tau
@@ -139,16 +167,23 @@ def run_shard(args, prompts: list[tuple[int, str]], done: set[tuple], path: Path
 
 
 def _measure(args, model, tokenizer, pending, path: Path, show_progress: bool) -> list[dict]:
-    warm_up = encode_prompt(tokenizer, pending[0][2])
+    warm_up = encode_prompt(tokenizer, pending[0][2]).to(model.device)
     model.generate(warm_up, attention_mask=torch.ones_like(warm_up), max_new_tokens=2, do_sample=False)
     references: dict[int, torch.Tensor] = {}
     records = []
+    warmed: set[tuple[int, str]] = set()
     bar = tqdm(total=len(pending), desc="bench", unit="run", disable=not show_progress, dynamic_ncols=True)
     for r, i, text, method in pending:
         input_ids = encode_prompt(tokenizer, text).to(model.device)
         if i not in references:  # the greedy output every method must reproduce (and the oracle proposes)
             references[i] = model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
                                            max_new_tokens=args.max_new_tokens, do_sample=False)  # fmt: skip
+        if split_layout(split_method(method)[0])[1] == "compiled" and (i, method) not in warmed:
+            # Compile what this prompt's shapes need before timing it (model.generate's static cache is sized
+            # per prompt, so it may recompile for each; hybrid's capacity is rounded up, so it rarely does).
+            _, seconds, _ = run_method(method, model, input_ids, references[i], args.max_new_tokens)
+            WARM_UP[method] = WARM_UP.get(method, 0.0) + seconds
+            warmed.add((i, method))
         out, seconds, tau = run_method(method, model, input_ids, references[i], args.max_new_tokens)
         record = dict(identity(args, text, r, method), prompt_index=i, new_tokens=out.shape[1] - input_ids.shape[1],
                       seconds=seconds, tau=tau, identical=bool(torch.equal(out, references[i])))  # fmt: skip
@@ -182,7 +217,7 @@ def summarize(args, records: list[dict]) -> dict[str, dict]:
         rows[m] = {"tokens_per_s": med, "min": min(tps[m]), "max": max(tps[m]),
                    "tau": statistics.mean(taus[m].values()) if taus[m] else None,
                    "speedup": med / base if base else None, "fraction_of_oracle": med / ceiling if ceiling else None,
-                   "identical_to_plain": identical[m]}  # fmt: skip
+                   "identical_to_plain": identical[m], "warm_up_s": WARM_UP.get(m)}  # fmt: skip
     return rows
 
 
@@ -197,6 +232,9 @@ def print_table(args, rows: dict[str, dict], num_prompts: int, processes: int) -
         spread = f"{row['min']:.1f}-{row['max']:.1f}"
         print(f"{m:<28}{row['tokens_per_s']:>8.1f}{spread:>14}{fmt(row['tau'], '.2f'):>7}{fmt(row['speedup'], '.2f'):>9}x"
               f"{fmt(row['fraction_of_oracle'], '.2f'):>11}  {'yes' if row['identical_to_plain'] else 'NO'}")  # fmt: skip
+    for m, row in rows.items():
+        if row["warm_up_s"] is not None:
+            print(f"{m}: {row['warm_up_s']:.1f} s of untimed warm-up (compiling) over the prompts this process ran")
 
 
 def parse_args(argv):
@@ -214,12 +252,19 @@ def parse_args(argv):
     parser.add_argument("--out", default="runs/bench", help="folder for bench.jsonl and summary.json; rerun to resume")
     args = parser.parse_args(argv)
     args.methods = list(dict.fromkeys(m.strip() for m in args.methods.split(",") if m.strip()))
-    bases = [split_method(m)[0] for m in args.methods]
+    bases = [split_layout(split_method(m)[0])[0] for m in args.methods]
     unknown = [m for m, base in zip(args.methods, bases) if base not in METHODS]
     if unknown or not args.methods:
         parser.error(f"unknown method(s) {unknown}: choose from {', '.join(METHODS)}")
+    for method, base in zip(args.methods, bases):
+        layout = split_layout(split_method(method)[0])[1]
+        if layout is not None and layout not in LAYOUTS:
+            parser.error(f"{method}: unknown cache layout {layout!r}: choose from {', '.join(LAYOUTS)}")
+        if layout is not None and base == "hf-lookup":
+            parser.error(f"{method}: assisted generation takes no cache layout; use plain+{layout} or a hybrid method")
     for method in args.methods:
         base, scheduler = split_method(method)
+        base = split_layout(base)[0]
         if scheduler is not None:
             if base in ("plain", "hf-lookup", "hybrid-none"):
                 parser.error(f"{method}: only a hybrid method with a drafter takes a scheduler")

@@ -44,6 +44,11 @@ for set in humaneval mt-bench; do
         --methods plain,hybrid-match-store,hybrid-default,hybrid-default@fixed-4,hybrid-default@fixed-11,hybrid-default@fixed-13,hybrid-default@fixed-16 \
         --out runs/bench-default-$set | tee runs/bench-default-$set/table.txt
 done
+for set in humaneval mt-bench; do  # the static-shape path: eager and compiled, against plain generate compiled too
+    mkdir -p runs/bench-static-$set && python -m experiments.bench --dataset $set --num-prompts 4 --max-new-tokens 256 \
+        --repeats 2 --methods plain,hybrid-default,hybrid-default+static,plain+compiled,hybrid-default+compiled \
+        --out runs/bench-static-$set | tee runs/bench-static-$set/table.txt
+done
 # The schedulers with the session-7 default drafter, which proposes up to 16 tokens.
 python -m experiments.acceptance --datasets mt-bench,humaneval --drafters block-long-lookup-store \
     --schedulers fixed-1,fixed-2,fixed-3,fixed-4,fixed-7,fixed-10,fixed-13,fixed-16,heuristic,cost-aware --block-sizes 16 \
@@ -67,7 +72,7 @@ mkdir -p runs/batching && python -m experiments.batching --dataset mt-bench --nu
     --max-new-tokens 64 --out runs/batching | tee runs/batching/batching.txt
 for run in drafters schedulers calibration trained trained-t07 trained-store trained-store-long trained-store-t07 bench-store-humaneval \
     bench-store-mt-bench default-v8 same-k schedulers-v4 bench-default-humaneval bench-default-mt-bench schedulers-v2 schedulers-v3 memory \
-    bench-mt batching; do
+    bench-mt batching bench-static-humaneval bench-static-mt-bench; do
     mkdir -p "docs/results/$run"
     cp runs/$run/*.png runs/$run/*.md runs/$run/*.csv runs/$run/*.json runs/$run/*.txt "docs/results/$run/" 2>/dev/null || true
 done

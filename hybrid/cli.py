@@ -34,18 +34,33 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--top-p", type=float, default=None)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--no-baseline", action="store_true", help="skip the plain model.generate comparison")
+    gen.add_argument("--device", default="cpu", help="where the verifier and drafter run (cpu, cuda, cuda:1)")
+    gen.add_argument("--device-map", default=None,
+                     help="spread the verifier with accelerate (e.g. auto: its layers over every GPU; the drafter "
+                          "goes where its last layer is); replaces --device")  # fmt: skip
+    gen.add_argument("--static", action="store_true",
+                     help="static shapes (cache_implementation='static') for both runs: compiled, with CUDA graphs, "
+                          "on a GPU, as model.generate compiles a static cache; each run is warmed up untimed first")  # fmt: skip
     args = parser.parse_args(argv)
 
-    model, tokenizer, default_drafter = hybrid.load_default()
+    model, tokenizer, default_drafter = hybrid.load_default(args.device, device_map=args.device_map)
     drafters = {"default": lambda: default_drafter, "prompt-lookup": PromptLookupDrafter, "none": lambda: None,
                 "block": lambda: BlockDiffusionDrafter(default_drafter.model, model, tokenizer=tokenizer)}
     drafter = drafters[args.drafter]()
-    input_ids = encode_prompt(tokenizer, args.prompt)
+    input_ids = encode_prompt(tokenizer, args.prompt).to(model.device)
     settings = {"max_new_tokens": args.max_new_tokens, "do_sample": args.do_sample}
     settings.update({k: v for k, v in (("temperature", args.temperature), ("top_p", args.top_p)) if v is not None})
+    if args.static:
+        settings["cache_implementation"] = "static"
 
     with torch.inference_mode():
         model(input_ids[:, :8])  # warm-up, so neither timed run pays for first-call overheads
+    if args.static:  # compile every shape the timed runs meet
+        start = time.perf_counter()
+        hybrid.generate(model, input_ids, drafter=drafter, **settings)
+        if not args.no_baseline:
+            model.generate(input_ids, **settings)
+        print(f"warm-up (compiling where the device compiles): {time.perf_counter() - start:.1f} s, untimed", file=sys.stderr)
     torch.manual_seed(args.seed)
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     out, stats = hybrid.generate(

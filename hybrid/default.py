@@ -74,24 +74,28 @@ def convert(gguf: Path, out_dir: Path) -> None:
     tmp.rename(out_dir)
 
 
-def load_verifier(device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
-    """(model, tokenizer) of the default verifier, converted and cached on first use."""
+def load_verifier(device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, device_map=None):
+    """(model, tokenizer) of the default verifier, converted and cached on first use; with `device_map` (e.g.
+    "auto") accelerate spreads its layers over the devices instead of putting it on `device`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model_dir = cache_dir() / MODEL_NAME
     if not (model_dir / "config.json").exists():
         convert(find_gguf(), model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if device_map is not None:
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, device_map=device_map).eval(), tokenizer
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     return model, tokenizer
 
 
-def load_default(device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
-    """(verifier, tokenizer, drafter): SmolLM2-135M-Instruct and the shipped block-diffusion drafter.
+def load_default(device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, device_map=None):
+    """(verifier, tokenizer, drafter): SmolLM2-135M-Instruct and the shipped block-diffusion drafter (on the
+    device of the verifier's last layer, when `device_map` spreads the verifier).
 
     float32 is the default because on CPUs it is faster than bfloat16 for this model.
     """
-    model, tokenizer = load_verifier(device, dtype)
+    model, tokenizer = load_verifier(device, dtype, device_map)
     return model, tokenizer, default_drafter(model, tokenizer)
 
 

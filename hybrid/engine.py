@@ -100,6 +100,7 @@ def decode(
         row.stats.prefill_time = prefill_time
     if drafter is not None:
         scheduler.reset(drafter, verifier.model)
+        scheduler.set_verify_width(verifier.padded_width)
     for b, row in enumerate(rows):
         row.ctx = DraftContext(row.ids, row.num_padding, do_sample, row.processors, generator, verifier, row=b)
         if drafter is not None:

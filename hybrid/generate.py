@@ -7,9 +7,10 @@ tokens, lengths, logits processors, stopping criteria), so a call means exactly 
 
 from __future__ import annotations
 
+import warnings
 
 import torch
-from transformers import Cache, GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+from transformers import Cache, CompileConfig, GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 from transformers.generation import GenerateDecoderOnlyOutput
 from transformers.generation.configuration_utils import GenerationMode
 
@@ -40,7 +41,6 @@ _UNSUPPORTED_CONFIG = {
     "output_attentions": (False, "attentions are not returned"),
     "output_hidden_states": (False, "hidden states are not returned (drafters read them through the Verifier)"),
     "use_cache": (True, "speculative decoding needs the KV cache"),
-    "cache_implementation": (None, "hybrid manages its own cache"),
     "prompt_lookup_num_tokens": (None, "pass drafter=drafters.PromptLookupDrafter(max_draft_len=N)"),
     "use_mtp": (False, "pass a drafter instead"),
     "token_healing": (False, "token healing is not supported"),
@@ -140,7 +140,10 @@ def generate(
 
     if drafter is not None and not isinstance(drafter, Drafter):  # before drafter.hidden_layers is read
         raise TypeError(f"drafter must be a drafters.Drafter (or None for plain decoding), got {type(drafter).__name__}")
-    verifier = Verifier(model, hidden_layers=drafter.hidden_layers if drafter is not None else ())
+    static = config.cache_implementation == "static"
+    verifier = Verifier(model, hidden_layers=drafter.hidden_layers if drafter is not None else (), static=static,
+                        max_width=1 + (drafter.max_draft_len if drafter is not None else 0),
+                        compile_config=_compile_config(model, config) if static else None)  # fmt: skip
     _check_drafter(drafter, verifier, call["tokenizer"])
     if scheduler is None:
         scheduler = default_scheduler(drafter, model) if drafter is not None else Scheduler()
@@ -218,6 +221,13 @@ def _check_config(config: GenerationConfig) -> None:
         value = getattr(config, name, off)
         if value is not None and value != off and not (name == "guidance_scale" and value == 1):
             raise ValueError(f"hybrid.generate does not support {name}={value!r}: {fix}")
+    if config.cache_implementation not in (None, "static"):
+        raise ValueError(f"hybrid.generate does not support cache_implementation={config.cache_implementation!r}: "
+                         "hybrid manages its own cache; pass cache_implementation='static' for its static-shape "
+                         "path (compiled, CUDA graphs) or leave it unset")  # fmt: skip
+    if config.compile_config is not None and config.cache_implementation != "static":
+        raise ValueError("compile_config applies to the static-shape path only, as in model.generate: pass "
+                         "cache_implementation='static' with it (or drop compile_config)")  # fmt: skip
     mode = config.get_generation_mode()
     if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
         raise ValueError(f"hybrid.generate supports greedy decoding and sampling, not {mode.value}")
@@ -228,6 +238,26 @@ def _check_config(config: GenerationConfig) -> None:
         )
     if config.max_new_tokens is not None and config.max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens={config.max_new_tokens}: ask for at least 1 new token")
+
+
+def _compile_config(model, config: GenerationConfig) -> CompileConfig | None:
+    """How to compile the static path's steps where `model.generate` would compile a static cache's decoding
+    step (a GPU, or `compile_config._compile_all_devices`; never with `disable_compile` or CPU/disk
+    offload); else None, i.e. the static shapes run eagerly."""
+    if config.disable_compile:
+        return None
+    compile_config = config.compile_config
+    on_accelerator = model.device.type in ("cuda", "xpu")
+    if not (on_accelerator or (compile_config is not None and compile_config._compile_all_devices)):
+        if compile_config is not None:
+            warnings.warn(f"compile_config is not used on {model.device.type}: as model.generate, hybrid compiles on "
+                          "a GPU only (set compile_config._compile_all_devices = True to compile here)")  # fmt: skip
+        return None
+    devices = set(getattr(model, "hf_device_map", {}).values())
+    if "disk" in devices or ("cpu" in devices and len(devices) > 1):
+        warnings.warn("the model is offloaded (device_map with cpu/disk): the static path runs without compiling")
+        return None
+    return compile_config or CompileConfig()  # transformers' default: CUDA graphs ("reduce-overhead")
 
 
 def _pad_rows(sequences: list[torch.Tensor], pad: torch.Tensor | None) -> torch.Tensor:

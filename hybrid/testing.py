@@ -31,11 +31,15 @@ class GreedyReport:
     near_tie_at: int | None  # index of the new token where a near tie let the runs diverge, else None
 
 
-def check_greedy_lossless(model, input_ids: torch.Tensor, drafter, scheduler=None, **kwargs) -> GreedyReport:
-    """Assert `hybrid.generate` == `model.generate` under greedy decoding (up to the near-tie contract)."""
+def check_greedy_lossless(model, input_ids: torch.Tensor, drafter, scheduler=None, hybrid_kwargs: dict | None = None,
+                          **kwargs) -> GreedyReport:
+    """Assert `hybrid.generate` == `model.generate` under greedy decoding (up to the near-tie contract).
+
+    `kwargs` go to both calls; `hybrid_kwargs` to hybrid's only (e.g. `cache_implementation="static"`)."""
     kwargs = {**kwargs, "do_sample": False}
     ref = model.generate(input_ids, return_dict_in_generate=True, output_scores=True, **kwargs)
-    out, stats = hybrid.generate(model, input_ids, drafter=drafter, scheduler=scheduler, return_stats=True, **kwargs)
+    out, stats = hybrid.generate(model, input_ids, drafter=drafter, scheduler=scheduler, return_stats=True,
+                                 **kwargs, **(hybrid_kwargs or {}))  # fmt: skip
     prompt_len = input_ids.shape[1]
     expected, got = ref.sequences[0, prompt_len:], out[0, prompt_len:]
     check_stats_consistent(stats, got.shape[0])

@@ -153,7 +153,7 @@ class CostAwareScheduler(_Calibrated):
 
     def update(self, draft: Draft, accepted: int, draft_time: float, verify_time: float) -> None:
         super().update(draft, accepted, draft_time, verify_time)
-        self.verify_costs.observe(len(draft) + 1, verify_time)
+        self.verify_costs.observe(self.verify_width(len(draft) + 1), verify_time)
         self.draft_cost += 0.05 * (draft_time - self.draft_cost)
         self._observe_steps(accepted + 1, draft_time + verify_time)
 
@@ -176,7 +176,7 @@ class CostAwareScheduler(_Calibrated):
         for draft, kept, draft_time in zip(drafts, accepted, draft_times):
             self.acceptance.update(draft, kept)
             self.draft_cost += 0.05 * (draft_time - self.draft_cost)
-        self.verify_costs.observe(len(drafts) * (1 + max(len(d) for d in drafts)), verify_time)
+        self.verify_costs.observe(len(drafts) * self.verify_width(1 + max(len(d) for d in drafts)), verify_time)
         self._observe_steps(sum(accepted) + len(drafts), sum(draft_times) + verify_time)
 
     def expected_batch_rates(self, drafts: list[Draft]) -> list[float]:
@@ -185,10 +185,11 @@ class CostAwareScheduler(_Calibrated):
         expected = [expected_accepted(self.acceptance.predict(draft)) for draft in drafts]
         rows = len(drafts)
         return [(sum(e[min(w, len(e) - 1)] + 1 for e in expected))
-                / (rows * self.draft_cost + self.verify_costs.cost(rows * (w + 1)))
+                / (rows * self.draft_cost + self.verify_costs.cost(rows * self.verify_width(w + 1)))
                 for w in range(max(len(d) for d in drafts) + 1)]  # fmt: skip
 
     def expected_rates(self, draft: Draft) -> list[float]:
         """The objective for k = 0..len(draft): expected emitted tokens per second."""
         expected = expected_accepted(self.acceptance.predict(draft))
-        return [(expected[k] + 1) / (self.draft_cost + self.verify_costs.cost(k + 1)) for k in range(len(draft) + 1)]
+        return [(expected[k] + 1) / (self.draft_cost + self.verify_costs.cost(self.verify_width(k + 1)))
+                for k in range(len(draft) + 1)]  # fmt: skip

@@ -5,14 +5,26 @@ from __future__ import annotations
 from drafters.base import Draft
 
 
+def unpadded(m: int) -> int:
+    return m
+
+
 class Scheduler:
     """Each step the engine asks `max_draft_length()` before drafting, `select(draft)` after it, and
     reports the outcome to `update`. `reset` starts a new `generate` call."""
+
+    verify_width = staticmethod(unpadded)  # see `set_verify_width`
 
     def reset(self, drafter, model=None) -> None:
         """Start a generation: `drafter` proposes (at most `drafter.max_draft_len` tokens), `model` verifies."""
         self.max_draft_len = drafter.max_draft_len
         self.max_steps = getattr(drafter, "max_steps", 1)
+
+    def set_verify_width(self, width) -> None:
+        """Told by the engine after `reset`: a verify of m tokens runs a forward `width(m)` positions wide. The
+        static-shape path pads to a few widths (`verifiers.verifier.static_width`), so drafts up to the padded
+        width cost nothing more to verify; otherwise width(m) = m. Cost-aware schedulers charge the padded width."""
+        self.verify_width = width
 
     def max_draft_length(self) -> int:
         """How many tokens to ask the drafter for."""

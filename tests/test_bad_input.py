@@ -369,6 +369,10 @@ UNSUPPORTED = {
     "num_beams sampling": ({"num_beams": 4, "do_sample": True}, ValueError, r"num_beams=4"),
     "penalty_alpha": ({"penalty_alpha": 0.6, "top_k": 4}, ValueError, r"penalty_alpha=0\.6"),
     "use_cache=False": ({"use_cache": False}, ValueError, r"use_cache=False"),
+    "cache_implementation=offloaded": ({"cache_implementation": "offloaded"}, ValueError,
+                                       r"cache_implementation='offloaded'.*cache_implementation='static'"),
+    "compile_config without static": ({"compile_config": "config"}, ValueError,
+                                      r"compile_config applies to the static-shape path.*cache_implementation='static'"),
 }
 
 
@@ -379,6 +383,8 @@ def test_unsupported_argument(env, model, prompt, drafter, case):
         kwargs = {"assistant_model": env["draft_model"]}
     if kwargs.get("past_key_values") == "cache":
         kwargs = {"past_key_values": DynamicCache()}
+    if kwargs.get("compile_config") == "config":
+        kwargs = {"compile_config": transformers.CompileConfig()}
     with pytest.raises(error, match=message):
         gen(model, prompt, drafter, **kwargs)
 

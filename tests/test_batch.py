@@ -25,7 +25,9 @@ def test_batch_rows_equal_batch_one_outputs(data):
     settings_ = {"max_new_tokens": data.draw(st.integers(1, 20), label="max_new_tokens"), "do_sample": False,
                  "eos_token_id": eos, "pad_token_id": PAD}  # fmt: skip
 
-    batch = hybrid.generate(model, input_ids, attention_mask=mask, drafter=drafter, **settings_)
+    static = data.draw(st.sampled_from([None, "static"]), label="cache_implementation")
+    batch = hybrid.generate(model, input_ids, attention_mask=mask, drafter=drafter, cache_implementation=static,
+                            **settings_)  # fmt: skip
     assert batch.shape[0] == len(rows) and torch.equal(batch[:, :width], input_ids)
     for r, row in enumerate(rows):
         alone = hybrid.generate(model, torch.tensor([row]), drafter=drafter, **settings_)[0, len(row) :]

@@ -51,6 +51,15 @@ def test_a_method_can_name_its_scheduler(prompts_file, tmp_path):
     assert all(row["identical_to_plain"] for row in rows.values())
 
 
+def test_a_method_can_name_its_cache_layout(prompts_file, tmp_path):
+    args = bench_args(prompts_file, tmp_path / "out")
+    args[args.index("--methods") + 1] = "plain,plain+static,hybrid-lookup+static@fixed-2"
+    rows = bench.main(args)
+    assert list(rows) == ["plain", "plain+static", "hybrid-lookup+static@fixed-2"]
+    assert all(row["identical_to_plain"] for row in rows.values())
+    assert all(row["warm_up_s"] is None for row in rows.values()), "only compiled methods are warmed up"
+
+
 def test_resume_skips_finished_measurements(prompts_file, tmp_path):
     out = tmp_path / "out"
     rows = bench.main(bench_args(prompts_file, out))
@@ -95,6 +104,9 @@ def test_sharded_measurements_equal_unsharded(prompts_file, tmp_path):
         (["--methods", "plain,hybrid-lookup@fixed-0"], "hybrid-lookup@fixed-0: scheduler fixed-0: k=0 must be >= 1"),
         (["--methods", "plain@fixed-2"], "plain@fixed-2: only a hybrid method with a drafter takes a scheduler"),
         (["--methods", "hybrid-lookup@sometimes"], "unknown scheduler 'sometimes'"),
+        (["--methods", "plain+paged"], "plain+paged: unknown cache layout 'paged': choose from static, compiled"),
+        (["--methods", "hf-lookup+static"], "hf-lookup+static: assisted generation takes no cache layout"),
+        (["--methods", "hybrid-nothing+static"], "unknown method(s) ['hybrid-nothing+static']"),
     ],
 )
 def test_bad_input_fails_before_any_model_loads(args, message, capsys, tmp_path):

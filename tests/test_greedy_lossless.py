@@ -36,7 +36,9 @@ def test_greedy_output_equals_model_generate(data):
     elif processor == "no_repeat_ngram_size":
         kwargs["no_repeat_ngram_size"] = 2
 
-    report = check_greedy_lossless(model, input_ids, drafter, scheduler, **kwargs)
+    static = data.draw(st.sampled_from([None, "static"]), label="cache_implementation")
+    report = check_greedy_lossless(model, input_ids, drafter, scheduler, hybrid_kwargs={"cache_implementation": static},
+                                   **kwargs)  # fmt: skip
     if report.near_tie_at is not None:
         event("near-tie exception used")
     event(f"drafter={type(drafter).__name__}")
@@ -50,11 +52,12 @@ def test_cache_after_generation_equals_fresh_prefill(data):
     drafter = data.draw(drafters_for(model, None), label="drafter")
     scheduler = data.draw(schedulers_for(drafter), label="scheduler")
     max_new_tokens = data.draw(st.integers(2, 30), label="max_new_tokens")
+    static = data.draw(st.sampled_from([None, "static"]), label="cache_implementation")
     import hybrid
 
     out = hybrid.generate(
         model, input_ids, drafter=drafter, scheduler=scheduler, max_new_tokens=max_new_tokens,
-        do_sample=False, return_dict_in_generate=True,
+        do_sample=False, return_dict_in_generate=True, cache_implementation=static,
     )  # fmt: skip
     check_cache_matches_prefill(model, out.sequences, out.cache)
 

@@ -78,7 +78,7 @@ def tiny():
 
 
 @pytest.mark.parametrize("drafter_kind", ["model", "self", "lookup", "adversarial", "block", "block-steps-lookup",
-                                          "block-long-lookup", "block-store"])
+                                          "block-long-lookup", "block-store", "block-static"])
 def test_generated_sequences_follow_ar_sampling(tiny, drafter_kind):
     """2,000 sequences of 3 tokens (4-token vocabulary, T=0.7, top-k 3) pass a chi-square goodness-of-fit
     test, at level 1e-3, against the exact distribution of plain AR sampling."""
@@ -97,13 +97,16 @@ def test_generated_sequences_follow_ar_sampling(tiny, drafter_kind):
         # The n-gram store (of the model's greedy answers) continues the lookup: more deterministic drafts.
         "block-store": lambda: random_block_drafter(model, seed=4, block_size=3, lookup_ngram=1, lookup_tokens=5,
                                                     ngram_store=ngram_store_for(model, seed=0, own_answers=True)),
+        # The static-shape path: padded verifies, the whole cache read through masks.
+        "block-static": lambda: random_block_drafter(model, seed=3, draft_vocab_size=3, block_size=4),
     }[drafter_kind]()
+    static = "static" if drafter_kind.endswith("static") else None
     gen = torch.Generator().manual_seed(1234)
     counts, drafted = Counter(), 0
     for _ in range(SAMPLES):
         out, stats = hybrid.generate(
             model, prompt, drafter=drafter, do_sample=True, max_new_tokens=NEW_TOKENS,
-            generator=gen, return_stats=True, **WARPERS,
+            generator=gen, return_stats=True, cache_implementation=static, **WARPERS,
         )  # fmt: skip
         counts[tuple(out[0, prompt.shape[1]:].tolist())] += 1
         drafted += sum(stats.drafted)

@@ -13,6 +13,7 @@ from schedulers import AcceptanceModel, ConfidenceScheduler, CostAwareScheduler,
 from schedulers.adaptive import expected_accepted, pair_fingerprint
 from schedulers.cost_model import measure_verify_costs
 from strategies import tiny_model
+from verifiers.verifier import static_width
 
 
 def draft(k, confidence=None):
@@ -48,6 +49,26 @@ def test_cost_aware_batch_picks_one_width_for_all_rows():
     # A row with nothing drafted is still padded to the width: (2 + E(w)) / (1 + 0.25 (2w + 1)) peaks at w = 1.
     assert s.select_batch([draft(16), draft(0)]) == [1, 0]
     assert s.select_batch([draft(16)]) == [s.select(draft(16))] == [6]  # batch 1: the batch-1 rule
+
+
+def test_cost_aware_charges_the_padded_width_on_the_static_path():
+    """Same case as above, but verifies padded to 1, 2, 4, 8, 16, 17 positions (the static path): k = 6 costs a
+    forward of 8 like k = 7, which accepts more, so 7 is chosen (rate (1 + 9(1 - 0.9^7)) / (1 + 7/4) = 2.071);
+    the engine's own static path tells the scheduler so."""
+    s = CostAwareScheduler(costs={1: 1.0, 17: 5.0})
+    s.reset(PromptLookupDrafter(max_draft_len=16))
+    s.set_verify_width(lambda m: static_width(m, 17))
+    s.acceptance.tried[:] = 1e6
+    s.acceptance.accepted[:] = 0.9e6
+    assert s.expected_rates(draft(16))[7] == pytest.approx(2.071, abs=1e-3)
+    assert s.select(draft(16)) == 7
+    widths = []
+    model = tiny_model("llama", 48, 2, seed=0)
+    scheduler = CostAwareScheduler(costs={1: 1.0, 17: 5.0})
+    scheduler.set_verify_width = widths.append  # what the engine tells it
+    hybrid.generate(model, torch.tensor([[1, 2, 3]]), drafter=PromptLookupDrafter(max_draft_len=8), scheduler=scheduler,
+                    max_new_tokens=2, cache_implementation="static")  # fmt: skip
+    assert [widths[0](m) for m in range(1, 10)] == [1, 2, 4, 4, 8, 8, 8, 8, 9]
 
 
 def test_verify_cost_extrapolates_past_the_table_with_the_upper_half_slope():

@@ -29,8 +29,9 @@ def test_rollback_leaves_every_row_equal_to_a_fresh_prefill(data):
     token = st.integers(0, vocab - 1)
     rows = [torch.tensor(data.draw(st.lists(token, min_size=1, max_size=8), label="prompt"))
             for _ in range(data.draw(st.integers(1, 3), label="rows"))]  # fmt: skip
-    verifier = Verifier(model, hidden_layers=(0, -1))
-    verifier.prefill_rows(rows, capacity=4)  # small on purpose: the cache must grow
+    static = data.draw(st.booleans(), label="static")  # static: every slot read through the mask, verifies padded
+    verifier = Verifier(model, hidden_layers=(0, -1), static=static, max_width=5)
+    verifier.prefill_rows(rows, capacity=4)  # small on purpose: the dynamic cache must grow
     committed = [row.clone() for row in rows]
     for _ in range(data.draw(st.integers(1, 4), label="steps")):
         width = data.draw(st.integers(1, 5), label="fed")
@@ -125,3 +126,25 @@ def test_cache_from_another_model_is_refused():
         model(torch.tensor([[1, 2, 3]]), cache=own, use_cache=True)
     with pytest.raises(ValueError, match=r"does not continue from a past_key_values.*pass the whole sequence as input_ids"):
         hybrid.generate(model, torch.tensor([[1, 2, 3, 4]]), drafter=None, past_key_values=own, max_new_tokens=2)
+
+
+def test_verifier_dispatched_with_a_device_map(tmp_path):
+    """A verifier loaded with a device_map runs through accelerate's hooks (here one layer offloaded to disk and
+    loaded at each forward: what a CPU can show of device_map="auto"); hybrid's output is still generate's,
+    with a drafter that reads the verifier's hidden states, on the dynamic and the static path."""
+    from transformers import AutoModelForCausalLM
+
+    from strategies import random_block_drafter
+
+    tiny_model("llama", 64, 3, seed=3).save_pretrained(tmp_path)
+    device_map = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk",
+                  "model.layers.2": "cpu", "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, device_map=device_map, offload_folder=tmp_path / "offload")
+    assert hasattr(model.model.layers[1], "_hf_hook"), "accelerate dispatched the model"
+    input_ids = torch.tensor([[5, 9, 5, 9, 17, 3, 5, 9]])
+    expected = model.generate(input_ids, max_new_tokens=30, do_sample=False)
+    for drafter in (PromptLookupDrafter(), random_block_drafter(model, seed=1)):
+        for static in (None, "static"):
+            out = hybrid.generate(model, input_ids, drafter=drafter, max_new_tokens=30, do_sample=False,
+                                  cache_implementation=static)  # fmt: skip
+            assert torch.equal(out, expected), (type(drafter).__name__, static)

@@ -8,6 +8,10 @@ recomputed, the rejected drafts' slots are overwritten by the next forward. The 
 states that a drafter conditions on are kept the same way, so they roll back with the keys/values,
 and so is a drafter's own per-token state derived from them (`drafter_state`: the block drafter's
 projected context keys/values), valid per row up to `drafter_lengths`, which a rollback cuts back.
+
+**Static shapes** (`static=True`, `cache_implementation="static"`): every forward reads all `capacity`
+slots through the mask and writes through an index tensor, so a forward of q tokens has the same shapes
+at every step and a compiled forward (CUDA graphs) replays instead of re-tracing; the buffers never grow.
 """
 
 from __future__ import annotations
@@ -76,12 +80,14 @@ class SharedCache(Cache):
         capacity: slots per row, i.e. the longest sequence (prompt + new tokens + a draft) it will hold.
             Buffers are allocated once at this size; a longer sequence grows them (a copy), never per step.
         hidden_width: width of the kept hidden states per token (0: none kept).
+        static: the static-shape layout (module docstring): attention reads every slot, capacity is final.
     """
 
-    def __init__(self, model, batch_size: int, capacity: int, hidden_width: int = 0):
+    def __init__(self, model, batch_size: int, capacity: int, hidden_width: int = 0, static: bool = False):
         text = model.config.get_text_config()
         super().__init__(layers=[_RowLayer(self) for _ in range(text.num_hidden_layers)])
         self.capacity = max(int(capacity), 1)
+        self.static = static
         self.lengths = [0] * batch_size  # tokens cached per row
         self.device, self.dtype, self.config = model.device, model.dtype, model.config
         self.layer_types = attention_pattern(text)
@@ -101,12 +107,15 @@ class SharedCache(Cache):
 
     def allocate(self, shape: tuple[int, ...], dtype: torch.dtype, device=None) -> torch.Tensor:
         try:
-            return torch.zeros(shape, dtype=dtype, device=self.device if device is None else device)
+            buffer = torch.zeros(shape, dtype=dtype, device=self.device if device is None else device)
         except (torch.OutOfMemoryError, RuntimeError) as error:
             if isinstance(error, RuntimeError) and "alloc" not in str(error).lower():
                 raise
             raise CacheMemoryError(f"allocating the cache ({shape_bytes(shape, dtype) / 2**20:.0f} MiB for "
                                    f"{shape[0]} rows) failed: {error}. Pass fewer rows per call") from error  # fmt: skip
+        if self.static:  # written in place by a compiled forward: CUDA graphs need a fixed address
+            torch._dynamo.mark_static_address(buffer)
+        return buffer
 
     def grow(self, buffer: torch.Tensor, dim: int) -> torch.Tensor:
         """`buffer` with `dim` widened to the current capacity, contents kept."""
@@ -119,6 +128,8 @@ class SharedCache(Cache):
     def reserve(self, slots: int) -> None:
         """Make room for `slots` per row (geometric growth, so a long generation copies O(log n) times)."""
         if slots > self.capacity:
+            if self.static:
+                raise RuntimeError(f"a static cache of {self.capacity} slots cannot hold {slots}: size it for the whole call")
             self.capacity = max(slots, 2 * self.capacity)
             for layer in self.layers:  # layers not yet initialised are allocated at the new capacity
                 if layer.is_initialized:
@@ -134,8 +145,10 @@ class SharedCache(Cache):
         self.reserve(max(self.lengths) + q)
         starts = torch.tensor(self.lengths, device=self.device)
         self._write_index = starts[:, None] + torch.arange(q, device=self.device)
-        self._write_start = self.lengths[0] if len(set(self.lengths)) == 1 else None
-        self.end = max(self.lengths) + q
+        # Static shapes write through the index tensor even when rows are aligned: a slice start would be a
+        # Python int that changes every step, i.e. a new graph.
+        self._write_start = self.lengths[0] if len(set(self.lengths)) == 1 and not self.static else None
+        self.end = self.capacity if self.static else max(self.lengths) + q
         return self._write_index
 
     @property
@@ -197,6 +210,14 @@ class SharedCache(Cache):
         self.drafter_state = {name: b[index.to(b.device)] for name, b in self.drafter_state.items()}
         self.lengths = [self.lengths[r] for r in rows]
         self.drafter_lengths = [self.drafter_lengths[r] for r in rows]
+        if self.static:  # the selected rows are new buffers: fixed addresses again
+            for buffer in self.buffers():
+                torch._dynamo.mark_static_address(buffer)
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Every allocated tensor: keys and values per layer, kept hidden states, drafter state."""
+        kv = [t for layer in self.layers if layer.is_initialized for t in (layer.keys, layer.values)]
+        return kv + ([] if self.hidden is None else [self.hidden]) + list(self.drafter_state.values())
 
     # -- reading -------------------------------------------------------------------------------------
 

@@ -14,6 +14,8 @@ from transformers import GenerationMixin, PreTrainedModel
 
 from verifiers.cache import MASKED_ATTENTION, SharedCache, attention_pattern
 
+STATIC_CAPACITY_STEP = 256  # static caches are sized in multiples of this many slots
+
 
 def check_causal_lm(model, role: str = "verifier") -> None:
     """Raise a clear error unless `model` is a decoder-only Hugging Face LM that can generate."""
@@ -37,9 +39,18 @@ class Verifier:
         hidden_layers: indices into the model's `hidden_states` tuple (0 = embeddings, i = output of
             layer i) whose states are kept for every cached token, concatenated on the last dim. A
             drafter that conditions on the verifier reads them through `hidden_states()`.
+        static: the static-shape path (`cache_implementation="static"`): the cache's slots are all read through
+            the mask and a verify of m tokens is padded to `static_width(m, max_width)`, so a verify step has
+            one of a few shapes and a compiled `step_call` replays it (CUDA graphs) instead of re-tracing.
+        max_width: the widest verify, 1 + the longest draft (static path).
+        compile_config: a transformers `CompileConfig` to compile the verify step with (static path; None:
+            eager), as `model.generate` compiles a static cache's decoding step; drafters compile their own
+            static-shape forward with it through `compiled()`. The prefill always runs eagerly: its shape is
+            the prompt's, so compiling it would re-trace per prompt.
     """
 
-    def __init__(self, model, hidden_layers: tuple[int, ...] = (), role: str = "verifier"):
+    def __init__(self, model, hidden_layers: tuple[int, ...] = (), role: str = "verifier", static: bool = False,
+                 max_width: int = 1, compile_config=None):
         check_causal_lm(model, role)
         text = model.config.get_text_config()
         num_states = text.num_hidden_layers + 1
@@ -59,7 +70,25 @@ class Verifier:
         # Rows of different lengths need per-row masks; other implementations run one row per forward.
         self.batches = model.config._attn_implementation in MASKED_ATTENTION
         self.max_positions = getattr(text, "max_position_embeddings", None)
+        if static and not self.batches:
+            raise ValueError(f"cache_implementation='static' reads the cache through hybrid's own masks, which "
+                             f"attn_implementation={model.config._attn_implementation!r} does not take: load the "
+                             "model with attn_implementation='sdpa' (or drop cache_implementation)")  # fmt: skip
+        self.static = static
+        self.max_width = max_width
+        self.compile_config = compile_config
+        self.step_call = model if compile_config is None else model.get_compiled_call(compile_config)
         self.cache: SharedCache | None = None
+
+    def compiled(self, module):
+        """`module` compiled as the verify step is (for a drafter's static-shape forward), or `module` itself."""
+        if self.compile_config is None:
+            return module
+        config, call = getattr(module, "_hybrid_compiled", (None, None))
+        if config != self.compile_config:
+            config, call = self.compile_config, torch.compile(module, **self.compile_config.to_dict())
+            module._hybrid_compiled = (config, call)  # a tuple, so not registered as a submodule
+        return call
 
     @property
     def vocab_size(self) -> int:
@@ -76,7 +105,9 @@ class Verifier:
         if len(rows) > 1 and not self.batches:
             raise ValueError(f"attn_implementation={self.model.config._attn_implementation!r} takes no per-row "
                              f"masks: verify one row per call (or load the model with attn_implementation='sdpa')")  # fmt: skip
-        self.cache = SharedCache(self.model, len(rows), capacity, self.hidden_width)
+        if self.static:  # calls of similar length share a capacity, hence their compiled graphs
+            capacity = -(-capacity // STATIC_CAPACITY_STEP) * STATIC_CAPACITY_STEP
+        self.cache = SharedCache(self.model, len(rows), capacity, self.hidden_width, static=self.static)
         lengths = [row.shape[0] for row in rows]
         width = max(lengths)
         # Right-padded: a real token only sees earlier slots, so the padding needs no mask; its slots lie
@@ -93,7 +124,19 @@ class Verifier:
     def verify_rows(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed tokens [rows, m] after each row's cache; return float32 logits [rows, m, vocab]:
         [b, i] is the verifier's view after row b's tokens[b, :i+1]."""
-        return self._forward(tokens, logits_to_keep=0)
+        if not self.static:
+            return self._forward(tokens, logits_to_keep=0)
+        m = tokens.shape[1]
+        width = self.padded_width(m)
+        # Padded with the last token: its slots lie past what any row keeps, so they are dropped at once.
+        padded = torch.cat([tokens, tokens[:, -1:].expand(-1, width - m)], dim=1)
+        logits = self._forward(padded, logits_to_keep=0, call=self.step_call)
+        self.cache.rollback([width - m] * padded.shape[0])
+        return logits[:, :m]
+
+    def padded_width(self, m: int) -> int:
+        """Positions a verify of m tokens runs: m, or on the static path the width it is padded to."""
+        return static_width(m, self.max_width) if self.static else m
 
     def rollback_rows(self, drop: list[int]) -> None:
         """Forget the last drop[b] cached tokens of row b (rejected drafts)."""
@@ -135,16 +178,20 @@ class Verifier:
 
     # -- the forward --------------------------------------------------------------------------------------
 
-    def _forward(self, input_ids: torch.Tensor, logits_to_keep) -> torch.Tensor:
+    def _forward(self, input_ids: torch.Tensor, logits_to_keep, call=None) -> torch.Tensor:
+        call = call or self.model
+        compiled = call is not self.model
         m = input_ids.shape[1]
         position_ids = self.cache.begin(m)
         if self.max_positions is not None:  # only a short row's padding can reach past the context; its
             position_ids = position_ids.clamp(max=self.max_positions - 1)  # outputs are never read
-        # Aligned rows (always at batch 1): the model's own causal mask is right, as the cache ends at
-        # length + m. Uneven rows: per-row masks from the lengths.
+        # Aligned rows (always at batch 1 on the dynamic path): the model's own causal mask is right, as the
+        # cache ends at length + m. Uneven rows and static shapes: per-row masks from the lengths.
         mask = None if self.cache.aligned else self.cache.attention_mask(m)
         extra = {"logits_to_keep": logits_to_keep} if self._supports_logits_to_keep else {}
-        out = self.model(
+        if compiled:  # the last step's outputs are consumed: CUDA graphs may overwrite them
+            torch.compiler.cudagraph_mark_step_begin()
+        out = call(
             input_ids=input_ids,
             attention_mask=mask,
             position_ids=position_ids,
@@ -157,4 +204,14 @@ class Verifier:
         if self.hidden_layers:  # gathered where the logits are: the last layer's device under device_map="auto"
             hidden = torch.cat([out.hidden_states[i].to(out.logits.device) for i in self.hidden_layers], dim=-1)
         self.cache.commit(m, hidden)
-        return out.logits.float()
+        # As `generate`: float32 logits where the inputs are (the first GPU under device_map="auto"); a compiled
+        # step's copy outlives the graph's output buffer.
+        return out.logits.to(device=input_ids.device, dtype=torch.float32, copy=compiled)
+
+
+def static_width(m: int, max_width: int) -> int:
+    """The width a verify of m tokens is padded to on the static path: the next power of two, at most
+    `max_width`. A drafter of up to 16 tokens thus needs graphs for 6 widths (1, 2, 4, 8, 16, 17), not 17."""
+    if not 1 <= m <= max_width:
+        raise ValueError(f"a verify of {m} tokens on a static path sized for at most {max_width}")
+    return min(1 << (m - 1).bit_length(), max_width)
