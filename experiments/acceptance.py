@@ -633,6 +633,9 @@ def main(argv: list[str] | None = None, load=load_model) -> list[dict]:
     mine = plan.prompts[state.process_index :: state.num_processes]
     new = run_shard(plan, mine, {run_key(r) for r in done}, runs_path, load, show_progress=state.is_main_process)
     new = gather_object(new) if state.num_processes > 1 else new
+    # Every process is done with the others: close the group now, not at interpreter exit, where gloo's threads
+    # being torn down once aborted a worker ("terminate called without an active exception", SIGABRT).
+    state.destroy_process_group()
     if not state.is_main_process:
         return []
     records = in_plan_order(plan, done + new)

@@ -304,6 +304,9 @@ def main(argv=None, load=load_model) -> dict[str, dict]:
     new = run_shard(args, indexed[state.process_index :: state.num_processes], {measurement_key(r) for r in done}, path,
                     load, show_progress=state.is_main_process)  # fmt: skip
     new = gather_object(new) if state.num_processes > 1 else new
+    # Every process is done with the others: close the group now, not at interpreter exit, where gloo's threads
+    # being torn down once aborted a worker ("terminate called without an active exception", SIGABRT).
+    state.destroy_process_group()
     if not state.is_main_process:
         return {}
     wanted = {measurement_key(identity(args, t, r, m)) for r, _, t, m in schedule(args, indexed)}
