@@ -127,6 +127,12 @@ class Drafter:
         """Return at most `max_tokens` tokens to follow `ctx.input_ids`."""
         raise NotImplementedError
 
+    def propose_rows(self, drafters: list[Drafter], ctxs: list[DraftContext], max_tokens: list[int]) -> list[Draft]:
+        """Drafts for several rows of a batch at once, row r by `drafters[r]` (this drafter or one of its forks),
+        asked by the engine on the drafter passed to `generate`. The default asks each row on its own; a drafter
+        whose model can serve the rows in one forward overrides it (`BlockDiffusionDrafter` does)."""
+        return [drafter.propose(ctx, k) for drafter, ctx, k in zip(drafters, ctxs, max_tokens)]
+
 
 def common_prefix_length(a: torch.Tensor, b: torch.Tensor) -> int:
     """Length of the longest common prefix of token ids a and b (1-D): how much of a drafter's cache,

@@ -325,10 +325,16 @@ class BlockDiffusionDrafter(Drafter):
 
     # -- drafting ---------------------------------------------------------------------------------
 
-    def _sync_context(self, ctx: DraftContext, committed: torch.Tensor) -> tuple[int, torch.Tensor, list]:
-        """Bring this row's projected context (kept in the verifier's shared cache, which a rollback cuts back)
-        up to the verifier states of committed[:-1]; return its length n, those states and per layer (keys,
-        values): the first n slots, or on a static cache every slot (the caller masks those past n)."""
+    def _buffers(self, cache) -> list[torch.Tensor]:
+        """Per drafter layer, the projected context keys/values of every row, [rows, capacity, 2, kv_heads, d],
+        kept in the verifier's shared cache (a rollback cuts them back with the verifier's own)."""
+        c = self.model.config
+        return [cache.drafter_buffer(f"block-context-{i}", (2, c.num_kv_heads, c.head_dim), self.model.norm.weight.dtype,
+                                     self.device) for i in range(c.num_layers)]  # fmt: skip
+
+    def _sync_context(self, ctx: DraftContext, committed: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """Bring this row's projected context up to the verifier states of committed[:-1]; return its length n
+        and those states."""
         states = ctx.hidden_states()
         if states is None:
             raise ValueError("the verifier keeps no hidden states: run BlockDiffusionDrafter through hybrid.generate")
@@ -336,45 +342,60 @@ class BlockDiffusionDrafter(Drafter):
         n = committed.shape[0] - 1
         if states.shape[0] != n:
             raise ValueError(f"verifier has states for {states.shape[0]} tokens, expected {n} (committed minus the anchor)")
-        c, cache, row = self.model.config, ctx.verifier.cache, ctx.row
-        dtype = self.model.norm.weight.dtype
-        buffers = [cache.drafter_buffer(f"block-context-{i}", (2, c.num_kv_heads, c.head_dim), dtype, self.device)
-                   for i in range(c.num_layers)]  # fmt: skip
+        cache, row = ctx.verifier.cache, ctx.row
         done = cache.drafter_lengths[row]
         if done < n:
             positions = torch.arange(done, n, device=states.device)[None]
             features = self.model.features(states[None, done:n], self.embed(committed[None, done:n]))
-            for buffer, (k, v) in zip(buffers, self.model.context(features, positions)):
+            for buffer, (k, v) in zip(self._buffers(cache), self.model.context(features, positions)):
                 buffer[row, done:n] = torch.stack([k[0], v[0]]).permute(2, 0, 1, 3)  # [n, 2, kv_heads, d]
             cache.drafter_computed(row, n)
-        end = cache.capacity if cache.static else n
-        context = [(b[row : row + 1, :end, 0].transpose(1, 2), b[row : row + 1, :end, 1].transpose(1, 2)) for b in buffers]
-        return n, states, context
+        return n, states
 
     @torch.inference_mode()
     def block_logits(self, ctx: DraftContext, block: torch.Tensor, known: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits [B - 1, V'] for block positions 1.. given block tokens [B] where `known` [B]."""
-        committed = ctx.input_ids[0, ctx.num_padding :]
-        n, states, context = self._sync_context(ctx, committed)
-        last = None
-        if self.model.config.feature_input:  # the fused feature of the token before the anchor (zeros if none)
-            last = (self.model.features(states[n - 1], self.embed(committed[n - 1])) if n
-                    else self.model.feature_gate.new_zeros(self.model.feature_gate.shape))
-        embeds = self.model.block_inputs(self.embed(block), known, last)
-        positions = torch.arange(n, n + block.shape[0], device=block.device)[None]
-        forward, mask = self.model, None
-        if ctx.verifier.cache.static:  # one shape at every step: the context's slots past n are masked
-            forward = ctx.verifier.compiled(self.model)
-            capacity = context[0][0].shape[2]
-            keys = torch.arange(capacity + block.shape[0], device=block.device)  # [context slots ; block]
-            mask = ((keys < n) | (keys >= capacity)).expand(1, 1, block.shape[0], -1)
-            if forward is not self.model:  # the last pass's output is consumed: CUDA graphs may reuse it
-                torch.compiler.cudagraph_mark_step_begin()
-        hidden = forward(embeds[None].to(self.model.norm.weight.dtype), positions, context, mask)
-        return (hidden[0, 1:] @ self.head.T.to(hidden.dtype)).float()
+        return self.block_logits_rows([ctx], block[None], known[None])[0]
 
     @torch.inference_mode()
-    def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
+    def block_logits_rows(self, ctxs: list[DraftContext], blocks: torch.Tensor, knowns: torch.Tensor) -> torch.Tensor:
+        """`block_logits` of several rows of one batch [R, B - 1, V'], in one forward of the block model: row r's
+        context is its first n_r slots of the shared buffers; slots past a row's length are masked."""
+        inputs, lengths = [], []
+        for ctx, block, known in zip(ctxs, blocks, knowns):
+            committed = ctx.input_ids[0, ctx.num_padding :]
+            n, states = self._sync_context(ctx, committed)
+            last = None
+            if self.model.config.feature_input:  # the fused feature of the token before the anchor (zeros if none)
+                last = (self.model.features(states[n - 1], self.embed(committed[n - 1])) if n
+                        else self.model.feature_gate.new_zeros(self.model.feature_gate.shape))
+            inputs.append(self.model.block_inputs(self.embed(block), known, last))
+            lengths.append(n)
+        cache, size = ctxs[0].verifier.cache, blocks.shape[1]
+        slots = cache.capacity if cache.static else max(lengths)  # static: one shape at every step
+        rows = [ctx.row for ctx in ctxs]
+        if len(rows) == 1:  # a view, no copy
+            context = [(b[rows[0] : rows[0] + 1, :slots, 0].transpose(1, 2), b[rows[0] : rows[0] + 1, :slots, 1].transpose(1, 2))
+                       for b in self._buffers(cache)]  # fmt: skip
+        else:
+            index = torch.tensor(rows, device=self.device)
+            context = [(b[index, :slots, 0].transpose(1, 2), b[index, :slots, 1].transpose(1, 2)) for b in self._buffers(cache)]
+        n = torch.tensor(lengths, device=self.device)
+        positions = n[:, None] + torch.arange(size, device=self.device)
+        forward, mask = self.model, None
+        if cache.static or len(set(lengths)) > 1:  # [context slots ; block]: a row sees its own n slots and the block
+            keys = torch.arange(slots + size, device=self.device)
+            mask = ((keys < n[:, None]) | (keys >= slots))[:, None, None, :].expand(-1, 1, size, -1)
+        if cache.static:
+            forward = ctxs[0].verifier.compiled(self.model)
+            if forward is not self.model:  # the last pass's output is consumed: CUDA graphs may reuse it
+                torch.compiler.cudagraph_mark_step_begin()
+        hidden = forward(torch.stack(inputs).to(self.model.norm.weight.dtype), positions, context, mask)
+        return (hidden[:, 1:] @ self.head.T.to(hidden.dtype)).float()
+
+    def _start(self, ctx: DraftContext, max_tokens: int) -> Draft | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What needs no model: the Draft when lookup fills the block, else (block [B], known [B], the given
+        tokens' confidences [B - 1]) to denoise."""
         committed = ctx.input_ids[0, ctx.num_padding :]
         size = self.block_size
         block = committed.new_zeros(size)
@@ -388,6 +409,32 @@ class BlockDiffusionDrafter(Drafter):
         block[1 : 1 + found.shape[0]] = found
         known[1 : 1 + found.shape[0]] = True
         given_confidence[: found.shape[0]] = found_confidence
+        return block, known, given_confidence
+
+    @torch.inference_mode()
+    def propose_rows(self, drafters: list[Drafter], ctxs: list[DraftContext], max_tokens: list[int]) -> list[Draft]:
+        """With one denoising pass, the rows the lookup does not fill share one forward of the block model (lookup and
+        the choice of tokens stay per row, in row order, so a sampled batch draws as row-by-row drafting does)."""
+        passes = {self.steps if ctx.steps is None else min(ctx.steps, self.steps) for ctx in ctxs}
+        if len(ctxs) == 1 or passes != {1}:
+            return super().propose_rows(drafters, ctxs, max_tokens)
+        drafts = [drafter._start(ctx, k) for drafter, ctx, k in zip(drafters, ctxs, max_tokens)]
+        todo = [r for r, d in enumerate(drafts) if not isinstance(d, Draft)]
+        if todo:
+            logits = self.block_logits_rows([ctxs[r] for r in todo], torch.stack([drafts[r][0] for r in todo]),
+                                            torch.stack([drafts[r][1] for r in todo]))  # fmt: skip
+            for i, r in enumerate(todo):
+                block, known, given_confidence = drafts[r]
+                drafts[r] = drafters[r]._choose(ctxs[r], logits[i], block, known, given_confidence, max_tokens[r])
+        return drafts
+
+    @torch.inference_mode()
+    def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
+        start = self._start(ctx, max_tokens)
+        if isinstance(start, Draft):
+            return start
+        block, known, given_confidence = start
+        size = self.block_size
         steps = self.steps if ctx.steps is None else min(ctx.steps, self.steps)
         for step in range(steps):
             logits = self.block_logits(ctx, block, known)

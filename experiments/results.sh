@@ -70,9 +70,11 @@ for set in humaneval mt-bench; do  # the scheduler against the best fixed k, wit
 done
 mkdir -p runs/batching && python -m experiments.batching --dataset mt-bench --num-prompts 4 --batch-sizes 1,2,4 \
     --max-new-tokens 64 --out runs/batching | tee runs/batching/batching.txt
+mkdir -p runs/batching-v9 && python -m experiments.batching --dataset mt-bench --num-prompts 8 --batch-sizes 1,2,4,8 \
+    --max-new-tokens 64 --out runs/batching-v9 | tee runs/batching-v9/batching.txt  # the block drafter's rows in one forward
 for run in drafters schedulers calibration trained trained-t07 trained-store trained-store-long trained-store-t07 bench-store-humaneval \
     bench-store-mt-bench default-v8 same-k schedulers-v4 bench-default-humaneval bench-default-mt-bench schedulers-v2 schedulers-v3 memory \
-    bench-mt batching bench-static-humaneval bench-static-mt-bench; do
+    bench-mt batching batching-v9 bench-static-humaneval bench-static-mt-bench; do
     mkdir -p "docs/results/$run"
     cp runs/$run/*.png runs/$run/*.md runs/$run/*.csv runs/$run/*.json runs/$run/*.txt "docs/results/$run/" 2>/dev/null || true
 done

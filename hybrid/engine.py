@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 
-from drafters.base import Draft, DraftContext, Drafter, check_draft, process_logits
+from drafters.base import Draft, DraftContext, DraftError, Drafter, check_draft, process_logits
 from hybrid.acceptance import greedy_step, sample, speculative_step
 from hybrid.stats import GenerationStats
 from schedulers.base import Scheduler
@@ -117,18 +117,28 @@ def decode(
         if drafter is not None and not 1 <= steps <= drafter.max_steps:
             raise ValueError(f"{type(scheduler).__name__}.denoising_steps returned {steps}; expected 1..{drafter.max_steps}")
         schedule_time = time.perf_counter() - t0
+        asks = {}  # row -> how many tokens it may draft
         for row in active:
             room = max_length - row.ids.shape[1] - 1
             if verifier.max_positions is not None:
                 room = min(room, verifier.max_positions - verifier.length(row.ctx.row) - 1)
-            t1 = time.perf_counter()
-            row.draft = Draft.empty(row.ids.device)
+            row.draft, row.draft_time = Draft.empty(row.ids.device), 0.0
             if min(max_k, room) > 0:
                 row.ctx.input_ids, row.ctx.steps = row.ids, steps
-                row.draft = check_draft(row.drafter.propose(row.ctx, min(max_k, room)), min(max_k, room), vocab_size,
-                                        type(drafter).__name__)  # fmt: skip
-            row.draft_time = time.perf_counter() - t1
-            row.stats.draft_time += row.draft_time
+                asks[row] = min(max_k, room)
+        if asks:  # all rows at once: a drafter may serve them in one forward; each row is charged its share
+            t1 = time.perf_counter()
+            drafts = drafter.propose_rows([row.drafter for row in asks], [row.ctx for row in asks], list(asks.values()))
+            if not isinstance(drafts, list) or len(drafts) != len(asks):
+                raise DraftError(f"{type(drafter).__name__}.propose_rows returned {type(drafts).__name__} of "
+                                 f"{len(drafts) if isinstance(drafts, list) else '?'} drafts for {len(asks)} rows: "
+                                 "return a list with one Draft per row")  # fmt: skip
+            for (row, k), draft in zip(asks.items(), drafts):
+                row.draft = check_draft(draft, k, vocab_size, type(drafter).__name__)
+            share = (time.perf_counter() - t1) / len(asks)
+            for row in asks:
+                row.draft_time = share
+                row.stats.draft_time += share
         t2 = time.perf_counter()
         ks = scheduler.select_batch([row.draft for row in active]) if drafter is not None else [0] * len(active)
         for row, k in zip(active, ks):

@@ -118,6 +118,32 @@ def test_context_rows_follow_a_rollback(world):
     torch.testing.assert_close(reused, drafting_logits(verifier, drafter, other, 22))
 
 
+@pytest.mark.parametrize("static", [False, True])
+def test_rows_drafted_together_equal_rows_drafted_alone(world, static):
+    """propose_rows runs one forward of the block model for all rows of a batch (contexts of different lengths,
+    masked per row; on the static path every slot, masked): the same logits, drafts and confidences as proposing
+    row by row on the dynamic path, where a row's context is exactly its own slots."""
+    verifier, drafter, store = world
+    seqs = [torch.tensor(store.sequence(i)["ids"], dtype=torch.long)[:n] for i, n in ((0, 20), (1, 9), (2, 14))]
+
+    def contexts(static):
+        v = Verifier(verifier, hidden_layers=drafter.hidden_layers, static=static, max_width=BLOCK)
+        v.prefill_rows([seq[:-1] for seq in seqs], capacity=64)
+        return [DraftContext(seq[None], 0, False, LogitsProcessorList(), None, v, row=r) for r, seq in enumerate(seqs)]
+
+    ctxs, reference = contexts(static), contexts(static=False)
+    together = drafter.propose_rows([drafter] * 3, ctxs, [5, 3, 5])
+    alone = [drafter.propose(ctx, k) for ctx, k in zip(reference, [5, 3, 5])]
+    assert [len(d) for d in together] == [5, 3, 5]
+    for a, b in zip(together, alone):
+        assert torch.equal(a.tokens, b.tokens)
+        torch.testing.assert_close(a.confidence, b.confidence)
+    blocks = torch.stack([torch.cat([seq[-1:], torch.zeros(BLOCK - 1, dtype=torch.long)]) for seq in seqs])
+    knowns = (torch.arange(BLOCK) == 0).expand(3, -1)
+    torch.testing.assert_close(drafter.block_logits_rows(ctxs, blocks, knowns),
+                               torch.stack([drafter.block_logits(c, b, k) for c, b, k in zip(reference, blocks, knowns)]))  # fmt: skip
+
+
 @pytest.mark.parametrize("known_token_input", [False, True])
 def test_known_positions_condition_the_block_as_in_training(world, known_token_input):
     """A block with some positions given (a later denoising pass, a lookup prefix) computes the same in both paths."""
