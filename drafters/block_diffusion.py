@@ -374,12 +374,10 @@ class BlockDiffusionDrafter(Drafter):
         cache, size = ctxs[0].verifier.cache, blocks.shape[1]
         slots = cache.capacity if cache.static else max(lengths)  # static: one shape at every step
         rows = [ctx.row for ctx in ctxs]
-        if len(rows) == 1:  # a view, no copy
-            context = [(b[rows[0] : rows[0] + 1, :slots, 0].transpose(1, 2), b[rows[0] : rows[0] + 1, :slots, 1].transpose(1, 2))
-                       for b in self._buffers(cache)]  # fmt: skip
-        else:
-            index = torch.tensor(rows, device=self.device)
-            context = [(b[index, :slots, 0].transpose(1, 2), b[index, :slots, 1].transpose(1, 2)) for b in self._buffers(cache)]
+        # One row (always at batch 1) is a view, no copy; several are gathered.
+        pick = slice(rows[0], rows[0] + 1) if len(rows) == 1 else torch.tensor(rows, device=self.device)
+        picked = [b[pick, :slots] for b in self._buffers(cache)]  # [R, slots, 2, kv_heads, d]
+        context = [(p[:, :, 0].transpose(1, 2), p[:, :, 1].transpose(1, 2)) for p in picked]
         n = torch.tensor(lengths, device=self.device)
         positions = n[:, None] + torch.arange(size, device=self.device)
         forward, mask = self.model, None

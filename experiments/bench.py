@@ -55,23 +55,16 @@ DEFAULT_METHODS = ("plain", "hf-lookup", "hybrid-none", "hybrid-lookup", "hybrid
 TRAINED = ("hybrid-block", "hybrid-block-lookup", "hybrid-block-lookup-store", "hybrid-block-long-lookup", "hybrid-default",
            "hybrid-block-long-lookup-store", "hybrid-ar")  # drafters trained for the default verifier
 RECORDS_FILE = "bench.jsonl"
-_SCHEDULERS: dict[str, object] = {}  # one per "method@scheduler", kept across prompts as the default one is
+_SCHEDULERS: dict[str, object] = {}  # one per "method+layout@scheduler", kept across prompts as the default one is
 WARM_UP: dict[str, float] = {}  # compiled method -> seconds of its warm-up call in this process
-
-
 LAYOUTS = ("static", "compiled")  # cache layouts a method may add after "+"
 
 
-def split_method(method: str) -> tuple[str, str | None]:
-    """"hybrid-block-lookup@fixed-4" -> ("hybrid-block-lookup", "fixed-4"); no "@" -> (method, None)."""
-    base, _, scheduler = method.partition("@")
-    return base, scheduler or None
-
-
-def split_layout(method: str) -> tuple[str, str | None]:
-    """"hybrid-default+compiled" -> ("hybrid-default", "compiled"); no "+" -> (method, None)."""
-    base, _, layout = method.partition("+")
-    return base, layout or None
+def parse_method(method: str) -> tuple[str, str | None, str | None]:
+    """"hybrid-default+compiled@fixed-4" -> ("hybrid-default", "compiled", "fixed-4"); a part left out is None."""
+    name, _, scheduler = method.partition("@")
+    base, _, layout = name.partition("+")
+    return base, layout or None, scheduler or None
 
 
 def layout_settings(layout: str | None) -> dict:
@@ -110,8 +103,7 @@ def run_method(method: str, model, input_ids, reference, max_new_tokens: int) ->
     """(output, seconds, tau or None) for one method on one prompt."""
     settings = {"max_new_tokens": max_new_tokens, "do_sample": False, "attention_mask": torch.ones_like(input_ids)}
     name = method
-    method, scheduler_name = split_method(method)
-    method, layout = split_layout(method)
+    method, layout, scheduler_name = parse_method(name)
     settings |= layout_settings(layout)
     drafter = None if method in ("plain", "hf-lookup") else make_drafter(method, model, reference)
     start = time.perf_counter()
@@ -178,7 +170,7 @@ def _measure(args, model, tokenizer, pending, path: Path, show_progress: bool) -
         if i not in references:  # the greedy output every method must reproduce (and the oracle proposes)
             references[i] = model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
                                            max_new_tokens=args.max_new_tokens, do_sample=False)  # fmt: skip
-        if split_layout(split_method(method)[0])[1] == "compiled" and (i, method) not in warmed:
+        if parse_method(method)[1] == "compiled" and (i, method) not in warmed:
             # Compile what this prompt's shapes need before timing it (model.generate's static cache is sized
             # per prompt, so it may recompile for each; hybrid's capacity is rounded up, so it rarely does).
             _, seconds, _ = run_method(method, model, input_ids, references[i], args.max_new_tokens)
@@ -252,19 +244,16 @@ def parse_args(argv):
     parser.add_argument("--out", default="runs/bench", help="folder for bench.jsonl and summary.json; rerun to resume")
     args = parser.parse_args(argv)
     args.methods = list(dict.fromkeys(m.strip() for m in args.methods.split(",") if m.strip()))
-    bases = [split_layout(split_method(m)[0])[0] for m in args.methods]
+    parsed = [parse_method(m) for m in args.methods]
+    bases = [base for base, _, _ in parsed]
     unknown = [m for m, base in zip(args.methods, bases) if base not in METHODS]
     if unknown or not args.methods:
         parser.error(f"unknown method(s) {unknown}: choose from {', '.join(METHODS)}")
-    for method, base in zip(args.methods, bases):
-        layout = split_layout(split_method(method)[0])[1]
+    for method, (base, layout, scheduler) in zip(args.methods, parsed):
         if layout is not None and layout not in LAYOUTS:
             parser.error(f"{method}: unknown cache layout {layout!r}: choose from {', '.join(LAYOUTS)}")
         if layout is not None and base == "hf-lookup":
             parser.error(f"{method}: assisted generation takes no cache layout; use plain+{layout} or a hybrid method")
-    for method in args.methods:
-        base, scheduler = split_method(method)
-        base = split_layout(base)[0]
         if scheduler is not None:
             if base in ("plain", "hf-lookup", "hybrid-none"):
                 parser.error(f"{method}: only a hybrid method with a drafter takes a scheduler")
