@@ -1,14 +1,22 @@
 """The acceptance rules: pure functions on one position's distributions.
 
-Greedy: a drafted token is kept iff it is the verifier's argmax; otherwise the argmax is emitted.
-Sampling (Leviathan et al. 2023; Chen et al. 2023): keep draft x ~ q with probability
-min(1, p(x) / q(x)); on rejection emit a token from normalise(max(0, p - q)). The emitted token is
-then distributed exactly as p, whatever q is, as long as x really was drawn from q.
+"match" (the default): at each position, in sequence order, the verifier makes its own choice exactly as
+`generate` makes it (the argmax of the processed scores, or one multinomial draw from them with the caller's
+RNG), and a drafted token is kept iff it equals that choice. Output is `generate`'s own, token for token,
+whatever the drafter proposes: a drafter cannot inject a token.
+
+"rejection" (Leviathan et al. 2023; Chen et al. 2023), sampling only: keep draft x ~ q with probability
+min(1, p(x) / q(x)); on rejection emit a token from normalise(max(0, p - q)). The emitted token is then
+distributed exactly as p, but only as long as x really was drawn from the q the drafter reports: this rule
+trusts `Draft.probs`. A drafter that proposes x while reporting q(x) ~ 0 gets x accepted with probability 1.
 """
 
 from __future__ import annotations
 
 import torch
+
+
+ACCEPTANCE_RULES = ("match", "rejection")
 
 
 def greedy_step(scores: torch.Tensor, draft_token: int) -> tuple[bool, int]:
@@ -37,7 +45,8 @@ def residual_distribution(p: torch.Tensor, q: torch.Tensor | None, token: int) -
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    return int(torch.multinomial(probs, 1, generator=generator))
+    """One draw from probs [vocab], as `generate` draws a row of its batch (`torch.multinomial(probs, 1)`)."""
+    return int(torch.multinomial(probs[None], 1, generator=generator))
 
 
 def speculative_step(

@@ -8,7 +8,8 @@ it would alone; rows that finish leave the batch.
 
 from __future__ import annotations
 
-import copy
+import contextlib
+import math
 import time
 from dataclasses import dataclass
 
@@ -16,7 +17,7 @@ import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 
 from drafters.base import Draft, DraftContext, DraftError, Drafter, check_draft, process_logits
-from hybrid.acceptance import greedy_step, sample, speculative_step
+from hybrid.acceptance import ACCEPTANCE_RULES, sample, speculative_step
 from hybrid.stats import GenerationStats
 from schedulers.base import Scheduler
 from verifiers.verifier import Verifier
@@ -33,9 +34,10 @@ class DecodeResult:
 class _Row:
     """One sequence: its growing ids and everything `generate` records for each emitted token."""
 
-    def __init__(self, input_ids, num_padding, processors, stopping_criteria, streamer, keep_scores, keep_logits):
-        self.ids = input_ids  # [1, n], left padding included, as `generate` returns it
-        self.num_padding = num_padding
+    def __init__(self, input_ids, prompt_tokens, processors, stopping_criteria, streamer, keep_scores, keep_logits):
+        self.ids = input_ids  # [1, n], padding included, as `generate` returns it
+        self.prompt_len = input_ids.shape[1]
+        self.prompt_tokens = prompt_tokens  # [n'] the prompt's unmasked tokens: what the cache holds
         self.processors = processors
         self.stopping_criteria = stopping_criteria
         self.streamer = streamer
@@ -58,6 +60,12 @@ class _Row:
         # As in `generate`: criteria see the sequence and the scores so far after every token.
         self.finished = bool(self.stopping_criteria(self.ids, self.scores).any())
 
+    def unmasked_ids(self) -> torch.Tensor:
+        """[1, n' + new]: the committed sequence without the prompt's masked tokens, as the verifier attends to it."""
+        if self.prompt_tokens.shape[0] == self.prompt_len:
+            return self.ids
+        return torch.cat([self.prompt_tokens[None], self.ids[:, self.prompt_len :]], dim=1)
+
     def stream(self, num_new: int) -> None:
         if self.streamer is not None and num_new:
             self.streamer.put(self.ids[0, -num_new:].cpu())
@@ -67,18 +75,27 @@ def decode(
     verifier: Verifier,
     drafter: Drafter | None,
     scheduler: Scheduler,
-    prompts: list[tuple[torch.Tensor, int, LogitsProcessorList]],
+    prompts: list[tuple[torch.Tensor, torch.Tensor, LogitsProcessorList]],
     stopping_criteria: StoppingCriteriaList,
-    max_length: int,
+    max_length: int | float,
     do_sample: bool,
     generator: torch.Generator | None = None,
+    acceptance: str = "match",
     streamer=None,
     keep_scores: bool = False,
     keep_logits: bool = False,
 ) -> DecodeResult:
-    """Decode every prompt (input_ids [1, n] with `num_padding` leading pads, and its processors) to the end."""
+    """Decode every prompt (input_ids [1, n], its unmasked tokens [n'], its processors) to the end.
+
+    acceptance: "match" keeps a drafted token iff it equals the verifier's own choice, made exactly as `generate`
+    makes it (argmax, or one multinomial draw from the caller's RNG); "rejection" is speculative sampling's
+    min(1, p/q) rule, which trusts `Draft.probs` to be what each token was drawn from.
+    """
+    if acceptance not in ACCEPTANCE_RULES:
+        raise ValueError(f"acceptance={acceptance!r}: choose one of {ACCEPTANCE_RULES}")
     start = time.perf_counter()
-    rows = [_Row(ids, pads, procs, stopping_criteria, streamer, keep_scores, keep_logits) for ids, pads, procs in prompts]
+    max_length = math.ceil(max_length)  # `generate` stops at the first length >= max_length, a float included
+    rows = [_Row(ids, kept, procs, stopping_criteria, streamer, keep_scores, keep_logits) for ids, kept, procs in prompts]
     if streamer is not None:
         streamer.put(rows[0].ids.cpu())  # as `generate` does; TextStreamer(skip_prompt=True) drops it
     vocab_size = verifier.vocab_size
@@ -89,7 +106,7 @@ def decode(
         return sample(torch.softmax(scores, dim=-1), generator) if do_sample else int(scores.argmax())
 
     # Prefill: the first new token of every row is the verifier's, exactly as in `generate`.
-    logits = verifier.prefill_rows([row.ids[0, row.num_padding :] for row in rows], capacity=max_length + draft_len + 1)
+    logits = verifier.prefill_rows([row.prompt_tokens for row in rows], capacity=max_length + draft_len + 1)
     for row, row_logits in zip(rows, logits):
         scores = process_logits(row.processors, row.ids, row_logits)
         row.emit(choose(scores), scores, row_logits)
@@ -101,8 +118,15 @@ def decode(
     if drafter is not None:
         scheduler.reset(drafter, verifier.model)
         scheduler.set_verify_width(verifier.padded_width)
+    # Under "match" the verifier's draws are `generate`'s own, from the caller's RNG: drafters propose their best
+    # guesses (the most likely to match) and whatever they draw comes from a fork of the global RNG.
+    sample_drafts = do_sample and acceptance == "rejection"
+    protect_rng = do_sample and acceptance == "match"
+    device = verifier.model.device
+    rng_devices = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
     for b, row in enumerate(rows):
-        row.ctx = DraftContext(row.ids, row.num_padding, do_sample, row.processors, generator, verifier, row=b)
+        row.ctx = DraftContext(row.unmasked_ids(), 0, sample_drafts, row.processors,
+                               generator if sample_drafts else None, verifier, row=b)  # fmt: skip
         if drafter is not None:
             # Each row drafts with its own copy (weights shared, per-sequence state separate).
             row.drafter = drafter if len(rows) == 1 else drafter.fork()
@@ -120,15 +144,14 @@ def decode(
         asks = {}  # row -> how many tokens it may draft
         for row in active:
             room = max_length - row.ids.shape[1] - 1
-            if verifier.max_positions is not None:
-                room = min(room, verifier.max_positions - verifier.length(row.ctx.row) - 1)
             row.draft, row.draft_time = Draft.empty(row.ids.device), 0.0
             if min(max_k, room) > 0:
-                row.ctx.input_ids, row.ctx.steps = row.ids, steps
+                row.ctx.input_ids, row.ctx.steps = row.unmasked_ids(), steps
                 asks[row] = min(max_k, room)
         if asks:  # all rows at once: a drafter may serve them in one forward; each row is charged its share
             t1 = time.perf_counter()
-            drafts = drafter.propose_rows([row.drafter for row in asks], [row.ctx for row in asks], list(asks.values()))
+            with torch.random.fork_rng(rng_devices) if protect_rng else contextlib.nullcontext():
+                drafts = drafter.propose_rows([row.drafter for row in asks], [row.ctx for row in asks], list(asks.values()))
             if not isinstance(drafts, list) or len(drafts) != len(asks):
                 raise DraftError(f"{type(drafter).__name__}.propose_rows returned {type(drafts).__name__} of "
                                  f"{len(drafts) if isinstance(drafts, list) else '?'} drafts for {len(asks)} rows: "
@@ -153,10 +176,11 @@ def decode(
         width = 1 + max(len(row.draft) for row in active)
         fed = torch.stack([torch.cat([row.ids[0, -1:], row.draft.tokens.to(row.ids.device),
                                       row.ids[0, -1:].expand(width - 1 - len(row.draft))]) for row in active])  # fmt: skip
-        logits = verifier.verify_rows(fed)  # [rows, width, vocab]: the verifier's view after each fed token
+        # [rows, width, vocab]: the verifier's view after each fed token
+        logits = verifier.verify_rows(fed, real=[1 + len(row.draft) for row in active])
         drop = []
         for row, row_logits in zip(active, logits):
-            emitted = _accept(row, row_logits, do_sample, choose, generator)
+            emitted = _accept(row, row_logits, do_sample and acceptance == "rejection", choose, generator)
             drop.append(width - emitted)  # the cache keeps every committed token but the newest
         verifier.rollback_rows(drop)
         verify_time = time.perf_counter() - t3
@@ -182,19 +206,22 @@ def decode(
     return DecodeResult([row.ids for row in rows], rows[0].scores, rows[0].logits, stats)
 
 
-def _accept(row: _Row, logits: torch.Tensor, do_sample: bool, choose, generator) -> int:
-    """Run the acceptance rule over one row's verified positions; emit, and return how many tokens it emitted."""
+def _accept(row: _Row, logits: torch.Tensor, rejection: bool, choose, generator) -> int:
+    """Run the acceptance rule over one row's verified positions; emit, and return how many tokens it emitted.
+
+    Every emitted token but a rejection-sampling correction is the verifier's own `choose`, in sequence order."""
     draft, k = row.draft, len(row.draft)
     accepted = emitted = 0
     for i in range(k + 1):
         scores = process_logits(row.processors, row.ids, logits[i])
         if i == k:  # every draft accepted: the bonus token comes from the verifier alone
             token, ok = choose(scores), False
-        elif do_sample:
+        elif rejection:
             q = None if draft.probs is None else draft.probs[i]
             ok, token = speculative_step(torch.softmax(scores, -1), q, int(draft.tokens[i]), generator)
         else:
-            ok, token = greedy_step(scores, int(draft.tokens[i]))
+            token = choose(scores)
+            ok = token == int(draft.tokens[i])
         row.emit(token, scores, logits[i])
         emitted += 1
         accepted += ok

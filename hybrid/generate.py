@@ -7,6 +7,7 @@ tokens, lengths, logits processors, stopping criteria), so a call means exactly 
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
@@ -15,8 +16,9 @@ from transformers.generation import GenerateDecoderOnlyOutput
 from transformers.generation.configuration_utils import GenerationMode
 
 from drafters.base import Drafter
-from verifiers.cache import foreign_cache_reason
+from hybrid.acceptance import ACCEPTANCE_RULES
 from hybrid.engine import decode
+from verifiers.cache import foreign_cache_reason, learned_position_limit
 from hybrid.stats import GenerationStats
 from schedulers.adaptive import default_scheduler
 from schedulers.base import Scheduler
@@ -40,7 +42,6 @@ _UNSUPPORTED_CONFIG = {
     "guidance_scale": (None, "classifier-free guidance is not supported"),
     "output_attentions": (False, "attentions are not returned"),
     "output_hidden_states": (False, "hidden states are not returned (drafters read them through the Verifier)"),
-    "use_cache": (True, "speculative decoding needs the KV cache"),
     "prompt_lookup_num_tokens": (None, "pass drafter=drafters.PromptLookupDrafter(max_draft_len=N)"),
     "use_mtp": (False, "pass a drafter instead"),
     "token_healing": (False, "token healing is not supported"),
@@ -64,6 +65,7 @@ def generate(
     scheduler: Scheduler | None = None,
     return_stats: bool = False,
     generator: torch.Generator | None = None,
+    acceptance: str = "match",
     generation_config: GenerationConfig | None = None,
     **kwargs,
 ):
@@ -83,10 +85,23 @@ def generate(
         scheduler: a `schedulers.Scheduler` choosing the draft length (default: a `CostAwareScheduler`
             per verifier and drafter kind, learning across calls).
         return_stats: also return a `GenerationStats`, as `(output, stats)`.
-        generator: a `torch.Generator` for every random draw (drafting and acceptance); None uses
-            torch's global generator, so `torch.manual_seed` makes runs reproducible either way.
+        generator: a `torch.Generator` for the verifier's draws when sampling (None: torch's global one, as
+            `generate` draws); `torch.manual_seed(s)` before both calls makes a batch-1 sampled output equal
+            `model.generate`'s under the "match" rule.
+        acceptance: "match" (default): keep a drafted token iff it equals the verifier's own choice, made as
+            `generate` makes it, so the output is `generate`'s whatever the drafter does. "rejection":
+            speculative sampling's min(1, p/q) rule when sampling, exact in distribution only if each drafted
+            token really was drawn from the `Draft.probs` its drafter reports.
     """
     check_causal_lm(model)
+    if acceptance not in ACCEPTANCE_RULES:
+        raise ValueError(f"acceptance={acceptance!r}: choose one of {ACCEPTANCE_RULES}")
+    if model.training:
+        warnings.warn(f"{type(model).__name__} is in training mode: dropout makes every call's output differ (from "
+                      "model.generate's too); call model.eval() first")  # fmt: skip
+    if kwargs.get("use_cache") is False or (generation_config is not None and generation_config.use_cache is False):
+        raise ValueError("hybrid.generate does not support use_cache=False: speculative decoding verifies drafts "
+                         "against the KV cache (the output is the same with it); drop use_cache")  # fmt: skip
     if "inputs" in kwargs:
         if input_ids is not None:
             raise TypeError("pass the prompt once: either input_ids or inputs")
@@ -119,7 +134,11 @@ def generate(
                                   batch_size=input_ids.shape[0])
     if attention_mask is None:
         attention_mask = model._prepare_attention_mask_for_generation(input_ids, config, {})
-        _check_mask(attention_mask)
+        if not bool((attention_mask[:, -1] == 1).all()):
+            raise ValueError(
+                f"the prompt ends with pad_token_id={int(config._pad_token_tensor)}, from which generate infers a "
+                "right-padded prompt: pass attention_mask explicitly (left padding) or set another pad_token_id"
+            )
     if bool((attention_mask == 1).all()):
         attention_mask = None  # as `generate` does: no padding, no mask
     config = model._prepare_generated_length(
@@ -131,6 +150,7 @@ def generate(
         input_ids_length=prompt_len,
     )
     model._validate_generated_length(config, prompt_len, has_default_max_length)
+    _check_context(model, prompt_len, config.max_length)
     batch = input_ids.shape[0]
     if batch > 1 and call["streamer"] is not None:
         raise ValueError(f"streamer with batch size {batch}: streamers take one sequence; pass one prompt per call")
@@ -167,14 +187,17 @@ def generate(
             device=input_ids.device,
             model_kwargs={"attention_mask": row_mask},
         )
-        prompts.append((input_ids[r : r + 1], 0 if row_mask is None else int(row_mask[0].argmax()), processors))
+        # The cache holds the unmasked tokens only: `generate` masks the others everywhere and numbers the
+        # unmasked ones 0, 1, ... (position_ids from the mask's cumsum), as their slots here do.
+        kept = input_ids[r] if row_mask is None else input_ids[r][row_mask[0].bool()]
+        prompts.append((input_ids[r : r + 1], kept, processors))
     stopping = model._get_stopping_criteria(
         generation_config=config,
         stopping_criteria=call["stopping_criteria"] or StoppingCriteriaList(),
         tokenizer=call["tokenizer"],
     )
     settings = dict(stopping_criteria=stopping, max_length=config.max_length, do_sample=bool(config.do_sample),
-                    generator=generator, streamer=call["streamer"],
+                    generator=generator, acceptance=acceptance, streamer=call["streamer"],
                     keep_scores=bool(config.return_dict_in_generate and config.output_scores),
                     keep_logits=bool(config.return_dict_in_generate and config.output_logits))  # fmt: skip
     with torch.inference_mode():
@@ -290,12 +313,6 @@ def _check_prompt(model, input_ids, attention_mask):
         raise ValueError("input_ids has no rows: pass at least one prompt")
     if input_ids.shape[1] == 0:
         raise ValueError("empty prompt: input_ids has no tokens; pass at least one (e.g. the BOS token)")
-    context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
-    if context is not None and input_ids.shape[1] >= context:
-        raise ValueError(
-            f"prompt of {input_ids.shape[1]} tokens does not fit the model's context of {context} positions "
-            "(with room for one new token): shorten the prompt"
-        )
     vocab = model.get_output_embeddings().weight.shape[0]
     if int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab:
         raise ValueError(f"input_ids contains ids outside the model's vocabulary [0, {vocab})")
@@ -309,6 +326,18 @@ def _check_prompt(model, input_ids, attention_mask):
         attention_mask = attention_mask.long().to(model.device)
         _check_mask(attention_mask)
     return input_ids, attention_mask
+
+
+def _check_context(model, prompt_len: int, max_length: int | float) -> None:
+    """Refuse a call that would run past a learned position table, where `generate` fails mid-way (IndexError).
+    Rotary and ALiBi models have no such end: like `generate`, hybrid goes on past max_position_embeddings."""
+    limit = learned_position_limit(model)
+    if limit is not None and math.ceil(max_length) > limit:
+        raise ValueError(
+            f"prompt of {prompt_len} tokens + new tokens up to a length of {math.ceil(max_length)} run past the "
+            f"{limit} positions {type(model).__name__} has learned embeddings for: lower max_new_tokens to at most "
+            f"{limit - prompt_len}" + (" and shorten the prompt" if prompt_len >= limit else "")
+        )
 
 
 def _check_drafter(drafter, verifier: Verifier, tokenizer) -> None:

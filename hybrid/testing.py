@@ -5,7 +5,13 @@ The contract (README, "Losslessness"):
   does not reproduce the last bits of one-token decoding, so where the verifier's two best processed
   scores are within `NEAR_TIE_EPS` the two runs may take different branches. `check_greedy_lossless`
   allows a divergence only at such a near tie, and reports when it did.
-* Sampling: each emitted token is distributed exactly as the verifier's processed distribution p.
+* Sampling (the default "match" rule), batch 1: after the same `torch.manual_seed`, `hybrid.generate` returns
+  `model.generate`'s tokens. Each token is one multinomial draw on the verifier's processed probabilities, as in
+  `generate`, but those probabilities come from a wider forward and differ in the last bits; a draw that lands
+  within that rounding of a CDF boundary may pick the neighbouring token. `check_sampled_identical` allows a
+  divergence only there (the two distributions within `SAMPLE_EPS`, the two tokens neighbours in the CDF).
+* Sampling with acceptance="rejection", and every row of a batch: each emitted token is distributed exactly as
+  the verifier's processed distribution p (chi-square tests).
 """
 
 from __future__ import annotations
@@ -15,12 +21,80 @@ import math
 from dataclasses import dataclass
 
 import torch
+import transformers
 from transformers import DynamicCache
 
 import hybrid
 
 NEAR_TIE_EPS = 1e-4  # absolute gap between the top-2 processed scores (float32)
 GREEDY_CHECKS = {"checked": 0, "near_ties": 0}  # how often the near-tie exception was needed, this process
+SAMPLE_EPS = 1e-4  # largest difference between the two runs' probabilities where a boundary draw may differ
+SAMPLING_CHECKS = {"checked": 0, "boundary_draws": 0}
+
+
+# Tiny random causal LMs of many architectures, the subjects of the property tests: each stresses something the
+# engine must get right (rotary vs learned vs ALiBi positions, sliding windows, local attention inside the model,
+# a model whose config says use_cache=False).
+def _llama_like(config_cls, model_cls, **extra):
+    def build(vocab_size, num_layers, window):
+        return config_cls(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers,
+                          num_attention_heads=4, num_key_value_heads=2, **extra), model_cls  # fmt: skip
+
+    return build
+
+
+def _gpt_neo(vocab_size, num_layers, window):
+    kinds = [["global", "local"], 1] if num_layers == 2 else [["local"], num_layers]
+    return transformers.GPTNeoConfig(vocab_size=vocab_size, hidden_size=32, num_layers=num_layers, num_heads=4,
+                                     intermediate_size=64, attention_types=[kinds], window_size=window or 7,
+                                     ), transformers.GPTNeoForCausalLM  # fmt: skip
+
+
+def _mistral(vocab_size, num_layers, window):
+    return _llama_like(transformers.MistralConfig, transformers.MistralForCausalLM, sliding_window=window)(
+        vocab_size, num_layers, window)  # fmt: skip
+
+
+ARCHITECTURES = {
+    "llama": _llama_like(transformers.LlamaConfig, transformers.LlamaForCausalLM),
+    "qwen2": _llama_like(transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    "qwen3": _llama_like(transformers.Qwen3Config, transformers.Qwen3ForCausalLM, head_dim=8),
+    "mistral": _mistral,  # with a sliding window: rollback must undo it
+    "gpt2": lambda vocab_size, num_layers, window: (transformers.GPT2Config(
+        vocab_size=vocab_size, n_embd=32, n_layer=num_layers, n_head=4, bos_token_id=None, eos_token_id=None),
+        transformers.GPT2LMHeadModel),  # learned positions
+    "opt": lambda vocab_size, num_layers, window: (transformers.OPTConfig(
+        vocab_size=vocab_size, hidden_size=32, num_hidden_layers=num_layers, num_attention_heads=4, ffn_dim=64,
+        word_embed_proj_dim=32), transformers.OPTForCausalLM),  # learned positions with an offset
+    "gpt_neo": _gpt_neo,  # local attention applied inside the model
+    "bloom": lambda vocab_size, num_layers, window: (transformers.BloomConfig(
+        vocab_size=vocab_size, hidden_size=32, n_layer=num_layers, n_head=4), transformers.BloomForCausalLM),  # ALiBi
+    "falcon": lambda vocab_size, num_layers, window: (transformers.FalconConfig(
+        vocab_size=vocab_size, hidden_size=32, num_hidden_layers=num_layers, num_attention_heads=4, alibi=True,
+        new_decoder_architecture=False, multi_query=True), transformers.FalconForCausalLM),  # ALiBi
+    "mpt": lambda vocab_size, num_layers, window: (transformers.MptConfig(
+        vocab_size=vocab_size, d_model=32, n_layers=num_layers, n_heads=4, expansion_ratio=2),
+        transformers.MptForCausalLM),  # ALiBi; its config says use_cache=False
+}  # fmt: skip
+# Llama-like architectures: what the block-diffusion drafter (RoPE, RMSNorm, SwiGLU geometry) can be built for.
+LLAMA_LIKE = ("llama", "qwen2", "qwen3", "mistral")
+
+
+def tiny_model(arch: str, vocab_size: int, num_layers: int, seed: int, sliding_window: int | None = None,
+               max_position_embeddings: int = 128):
+    """A random causal LM small enough for hundreds of examples a minute (`sliding_window`: Mistral's window, or
+    GPT-Neo's local window).
+
+    initializer_range 0.3 makes logits spread out, so top-2 near ties are as rare as in real models.
+    """
+    config, model_cls = ARCHITECTURES[arch](vocab_size, num_layers, sliding_window)
+    config.max_position_embeddings = max_position_embeddings
+    config.initializer_range = 0.3
+    config.tie_word_embeddings = False
+    config.bos_token_id = config.eos_token_id = config.pad_token_id = None
+    with torch.random.fork_rng():  # the same weights for the same seed, without touching the caller's RNG
+        torch.manual_seed(seed)
+        return model_cls(config).eval()
 
 
 @dataclass
@@ -64,6 +138,39 @@ def check_greedy_lossless(model, input_ids: torch.Tensor, drafter, scheduler=Non
         )
     GREEDY_CHECKS["near_ties"] += 1
     return GreedyReport(ref.sequences, out, stats, j)
+
+
+def check_sampled_identical(model, input_ids: torch.Tensor, drafter, seed: int, scheduler=None,
+                            hybrid_kwargs: dict | None = None, **kwargs) -> int | None:
+    """Assert `hybrid.generate` == `model.generate` under sampling after the same `torch.manual_seed(seed)`, up to
+    the boundary-draw contract. Returns the index of the new token where a boundary draw diverged, else None."""
+    kwargs = {**kwargs, "do_sample": True, "return_dict_in_generate": True, "output_scores": True}
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        ref = model.generate(input_ids, **kwargs)
+        torch.manual_seed(seed)
+        out = hybrid.generate(model, input_ids, drafter=drafter, scheduler=scheduler, **kwargs, **(hybrid_kwargs or {}))
+    prompt_len = input_ids.shape[1]
+    expected, got = ref.sequences[0, prompt_len:], out.sequences[0, prompt_len:]
+    SAMPLING_CHECKS["checked"] += 1
+    if torch.equal(expected, got):
+        return None
+    n = min(expected.shape[0], got.shape[0])
+    mismatch = (expected[:n] != got[:n]).nonzero()
+    assert mismatch.numel(), f"hybrid stopped after {got.shape[0]} new tokens, model.generate after {expected.shape[0]}"
+    j = int(mismatch[0])
+    p_ref, p_out = torch.softmax(ref.scores[j][0], -1), torch.softmax(out.scores[j][0], -1)
+    a, b = sorted((int(expected[j]), int(got[j])))
+    gap = float((p_ref - p_out).abs().max())
+    between = float(p_ref[a + 1 : b].sum())  # neighbours in the CDF: nothing of mass between them
+    if gap >= SAMPLE_EPS or between > SAMPLE_EPS:
+        raise AssertionError(
+            f"sampled output differs at new token {j} (seed {seed}): model.generate drew {int(expected[j])}, hybrid "
+            f"{int(got[j])}; their distributions differ by {gap:.3g}, mass between the tokens {between:.3g} (not a "
+            f"boundary draw)\nexpected {expected.tolist()}\n     got {got.tolist()}"
+        )
+    SAMPLING_CHECKS["boundary_draws"] += 1
+    return j
 
 
 def check_stats_consistent(stats: hybrid.GenerationStats, new_tokens: int) -> None:

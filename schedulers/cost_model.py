@@ -17,6 +17,7 @@ import time
 import torch
 from transformers import DynamicCache
 
+from verifiers.cache import learned_position_limit
 
 PROBE_SIZES = tuple(range(1, 18))  # a block of 16 drafts + the pending token
 CONTEXT = 64
@@ -35,17 +36,21 @@ def device_key(model) -> str:
 
 @torch.inference_mode()
 def measure_verify_costs(model, sizes=PROBE_SIZES, repeats: int = 2) -> dict[int, float]:
-    """Seconds for one forward of m tokens after a CONTEXT-token cache, for each m in `sizes` (best of `repeats`)."""
+    """Seconds for one forward of m tokens after a CONTEXT-token cache (shorter where a learned position table
+    ends sooner), for each m in `sizes` that fits (best of `repeats`)."""
     vocab = model.config.get_text_config().vocab_size
+    limit = learned_position_limit(model)  # a learned position table bounds context + m
+    sizes = tuple(m for m in sizes if limit is None or m < limit)
+    length = CONTEXT if limit is None else max(1, min(CONTEXT, limit - max(sizes)))
     generator = torch.Generator().manual_seed(0)
-    context = torch.randint(0, vocab, (1, CONTEXT), generator=generator).to(model.device)
+    context = torch.randint(0, vocab, (1, length), generator=generator).to(model.device)
     cache = DynamicCache(config=model.config)
     cache.activate_past_recording()  # sliding-window layers keep what the crop below removes (as in Verifier)
     model(context, cache=cache, use_cache=True)
     costs = {m: float("inf") for m in sizes}
     for m in (sizes[0], *sizes * repeats):  # the first forward only warms up
         tokens = torch.randint(0, vocab, (1, m), generator=generator).to(model.device)
-        positions = torch.arange(CONTEXT, CONTEXT + m, device=model.device)[None]
+        positions = torch.arange(length, length + m, device=model.device)[None]
         _sync(model)
         start = time.perf_counter()
         model(tokens, position_ids=positions, cache=cache, use_cache=True)

@@ -12,10 +12,15 @@ sys.path.insert(0, str(Path(__file__).parent))  # tests import `strategies` dire
 
 
 def pytest_terminal_summary(terminalreporter):
-    from hybrid.testing import GREEDY_CHECKS, NEAR_TIE_EPS
+    from hybrid.testing import GREEDY_CHECKS, NEAR_TIE_EPS, SAMPLE_EPS, SAMPLING_CHECKS
 
     if GREEDY_CHECKS["checked"]:
         terminalreporter.write_line(
             f"greedy losslessness: {GREEDY_CHECKS['checked']} comparisons with model.generate, near-tie "
             f"exception (top-2 gap < {NEAR_TIE_EPS}) needed {GREEDY_CHECKS['near_ties']} times"
+        )
+    if SAMPLING_CHECKS["checked"]:
+        terminalreporter.write_line(
+            f"seeded sampling: {SAMPLING_CHECKS['checked']} comparisons with model.generate, boundary-draw exception "
+            f"(distributions within {SAMPLE_EPS}) needed {SAMPLING_CHECKS['boundary_draws']} times"
         )

@@ -6,55 +6,26 @@ import copy
 
 import torch
 from hypothesis import strategies as st
-from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
-from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from drafters import BlockDiffusionDrafter, Draft, DraftContext, Drafter, ModelDrafter, PromptLookupDrafter
 from drafters.block_diffusion import BlockDiffusionConfig, BlockDiffusionModel, verifier_fingerprint
 from drafters.ngram_store import NgramStore
+from hybrid.testing import ARCHITECTURES, LLAMA_LIKE, tiny_model
 from schedulers import ConfidenceScheduler, CostAwareScheduler, FixedScheduler, HeuristicScheduler
-
-ARCHITECTURES = {
-    "llama": (LlamaConfig, LlamaForCausalLM),
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
-    "mistral": (MistralConfig, MistralForCausalLM),  # with a sliding window: rollback must undo it
-}
-
-
-def tiny_model(arch: str, vocab_size: int, num_layers: int, seed: int, sliding_window: int | None = None):
-    """A random causal LM small enough for hundreds of examples a minute.
-
-    initializer_range 0.3 makes logits spread out, so top-2 near ties are as rare as in real models.
-    """
-    config_cls, model_cls = ARCHITECTURES[arch]
-    extra = {"sliding_window": sliding_window} if arch == "mistral" else {}
-    if arch == "qwen3":
-        extra["head_dim"] = 8
-    config = config_cls(
-        vocab_size=vocab_size,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        initializer_range=0.3,
-        tie_word_embeddings=False,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-        **extra,
-    )
-    torch.manual_seed(seed)
-    return model_cls(config).eval()
+from verifiers.cache import row_mask_problem
 
 
 @st.composite
 def verifiers(draw):
     arch = draw(st.sampled_from(sorted(ARCHITECTURES)))
-    window = draw(st.sampled_from([None, 4, 9])) if arch == "mistral" else None
+    window = draw(st.sampled_from([None, 4, 9])) if arch in ("mistral", "gpt_neo") else None
     return tiny_model(arch, draw(st.integers(32, 96)), draw(st.integers(1, 2)), draw(st.integers(0, 2**16)), window)
+
+
+def cache_layouts(model):
+    """The cache layouts to draw for `model`: the static one only where the model takes hybrid's per-row masks
+    (tests/test_audit.py checks the refusal elsewhere)."""
+    return st.sampled_from([None, "static"] if row_mask_problem(model) is None else [None])
 
 
 def prompts(vocab_size: int, max_len: int = 12):
@@ -103,6 +74,21 @@ class AdversarialDrafter(Drafter):
         return Draft(tokens, probs)
 
 
+class LyingDrafter(Drafter):
+    """Proposes one token everywhere while reporting it as nearly impossible (q = 1e-9; rows finite, positive,
+    summing to 1): under the rejection rule min(1, p/q) = 1 would accept it almost always."""
+
+    max_draft_len = 6
+
+    def __init__(self, vocab_size: int, token: int):
+        self.vocab_size, self.token = vocab_size, token
+
+    def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
+        probs = torch.full((max_tokens, self.vocab_size), (1 - 1e-9) / (self.vocab_size - 1))
+        probs[:, self.token] = 1e-9
+        return Draft(torch.full((max_tokens,), self.token), probs)
+
+
 def perturbed_copy(model, scale: float, seed: int):
     twin = copy.deepcopy(model)
     gen = torch.Generator(torch.get_default_device()).manual_seed(seed)
@@ -148,7 +134,10 @@ def ngram_store_for(model, seed: int, own_answers: bool) -> NgramStore:
 @st.composite
 def drafters_for(draw, model, eos_token_id: int | None):
     """Every kind of drafter the engine must stay lossless with."""
-    kind = draw(st.sampled_from(["random", "self", "perturbed", "lookup", "adversarial", "block", "none"]))
+    kinds = ["random", "self", "perturbed", "lookup", "adversarial", "liar", "block", "none"]
+    if type(model).config_class.model_type not in LLAMA_LIKE:  # the block model is built for Llama-like verifiers
+        kinds.remove("block")
+    kind = draw(st.sampled_from(kinds))
     vocab = model.config.vocab_size
     seed = draw(st.integers(0, 2**16))
     if kind == "random":
@@ -165,6 +154,8 @@ def drafters_for(draw, model, eos_token_id: int | None):
                                    prefer_store=draw(st.sampled_from([None, 0.0, 0.5])) if store else None)
     if kind == "adversarial":
         return AdversarialDrafter(vocab, eos_token_id, seed)
+    if kind == "liar":
+        return LyingDrafter(vocab, draw(st.integers(0, vocab - 1)))
     if kind == "block":
         lookup_ngram = draw(st.sampled_from([0, 1, 2]))
         return random_block_drafter(

@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import hybrid
-from strategies import drafters_for, padded_batches, verifiers
+from strategies import cache_layouts, drafters_for, padded_batches, verifiers
 
 PROPERTY = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 PAD = 0
@@ -25,7 +25,7 @@ def test_batch_rows_equal_batch_one_outputs(data):
     settings_ = {"max_new_tokens": data.draw(st.integers(1, 20), label="max_new_tokens"), "do_sample": False,
                  "eos_token_id": eos, "pad_token_id": PAD}  # fmt: skip
 
-    static = data.draw(st.sampled_from([None, "static"]), label="cache_implementation")
+    static = data.draw(cache_layouts(model), label="cache_implementation")
     batch = hybrid.generate(model, input_ids, attention_mask=mask, drafter=drafter, cache_implementation=static,
                             **settings_)  # fmt: skip
     assert batch.shape[0] == len(rows) and torch.equal(batch[:, :width], input_ids)

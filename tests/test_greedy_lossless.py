@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from hybrid.testing import check_cache_matches_prefill, check_greedy_lossless
-from strategies import drafters_for, prompts, schedulers_for, verifiers
+from strategies import cache_layouts, drafters_for, prompts, schedulers_for, verifiers
 
 PROPERTY = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -36,7 +36,7 @@ def test_greedy_output_equals_model_generate(data):
     elif processor == "no_repeat_ngram_size":
         kwargs["no_repeat_ngram_size"] = 2
 
-    static = data.draw(st.sampled_from([None, "static"]), label="cache_implementation")
+    static = data.draw(cache_layouts(model), label="cache_implementation")
     report = check_greedy_lossless(model, input_ids, drafter, scheduler, hybrid_kwargs={"cache_implementation": static},
                                    **kwargs)  # fmt: skip
     if report.near_tie_at is not None:
@@ -52,7 +52,7 @@ def test_cache_after_generation_equals_fresh_prefill(data):
     drafter = data.draw(drafters_for(model, None), label="drafter")
     scheduler = data.draw(schedulers_for(drafter), label="scheduler")
     max_new_tokens = data.draw(st.integers(2, 30), label="max_new_tokens")
-    static = data.draw(st.sampled_from([None, "static"]), label="cache_implementation")
+    static = data.draw(cache_layouts(model), label="cache_implementation")
     import hybrid
 
     out = hybrid.generate(

@@ -17,7 +17,8 @@ at every step and a compiled forward (CUDA graphs) replays instead of re-tracing
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from torch import nn
+from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
 
 # Attention implementations that take the 4D additive masks built here. Others (flash_attention_2)
 # build their own causal mask, which is right only when every row has the same length.
@@ -90,8 +91,7 @@ class SharedCache(Cache):
         self.static = static
         self.lengths = [0] * batch_size  # tokens cached per row
         self.device, self.dtype, self.config = model.device, model.dtype, model.config
-        self.layer_types = attention_pattern(text)
-        self.window = getattr(text, "sliding_window", None)
+        self.layer_types, self.window = attention_pattern(text)
         self.owner_fingerprint = cache_fingerprint(model)
         check_fits(model, batch_size, self.capacity, hidden_width)
         # Hidden states live where the drafter reads them: by the head (the last GPU under device_map="auto").
@@ -253,18 +253,56 @@ class SharedCache(Cache):
         return cache
 
 
-def attention_pattern(text_config) -> list[str]:
-    """Each layer's attention kind; raises for kinds a position-indexed cache cannot serve."""
-    n = text_config.num_hidden_layers
-    window = getattr(text_config, "sliding_window", None)
-    types = list(getattr(text_config, "layer_types", None) or ["sliding_attention" if window else "full_attention"] * n)
+def attention_pattern(text_config) -> tuple[list[str], int | None]:
+    """Each layer's attention kind, read as transformers reads it for its own caches (`layer_types`, else each
+    layer's `sliding_window` / `attention_chunk_size`), and the sliding window; raises for what the masks built
+    here cannot express."""
+    name = type(text_config).__name__
+    types, kwargs = get_layer_types_and_kwargs(text_config)
     odd = sorted(set(types) - set(LAYER_TYPES))
     if odd:
-        raise ValueError(f"{type(text_config).__name__} has {odd} layers: hybrid's cache serves full and "
-                         "sliding-window attention only")  # fmt: skip
-    if "sliding_attention" in types and not window:
-        raise ValueError(f"{type(text_config).__name__} has sliding-attention layers but no sliding_window size")
-    return types
+        raise ValueError(f"{name} has {odd} layers: hybrid's cache serves full and sliding-window attention only")
+    windows = {kw.get("sliding_window") for kind, kw in zip(types, kwargs) if kind == "sliding_attention"}
+    if None in windows:
+        raise ValueError(f"{name} has sliding-attention layers but no sliding_window size")
+    if len(windows) > 1:
+        raise ValueError(f"{name} has sliding layers of different windows {sorted(windows)}: hybrid's masks take one")
+    return list(types), next(iter(windows), None)
+
+
+def row_mask_problem(model) -> str | None:
+    """Why `model` cannot take the per-row 4-D masks built here (None if it can).
+
+    Rows of different lengths and the static layout put a query somewhere other than the last slots the cache
+    returns, so the model must attend through the mask it is given and add nothing position-dependent of its own.
+    """
+    text = model.config.get_text_config()
+    implementation = model.config._attn_implementation
+    if implementation not in MASKED_ATTENTION:
+        return f"attn_implementation={implementation!r} builds its own causal mask (load it with attn_implementation='sdpa')"
+    attn_config = getattr(text, "attn_config", None)
+    if text.model_type == "bloom" or getattr(text, "alibi", False) or getattr(attn_config, "alibi", False):
+        return "its ALiBi position bias is built from a 2-D padding mask, which cannot say where each row's queries sit"
+    for name, module in model.named_modules():
+        bias = getattr(module, "bias", None)
+        if isinstance(bias, torch.Tensor) and not isinstance(bias, nn.Parameter) and bias.dtype == torch.bool and bias.dim() == 4:
+            return (f"its attention ({name}) applies a causal/local mask of its own, indexed from the last cached slot, "
+                    "which is wrong for rows that end elsewhere")  # fmt: skip
+    return None
+
+
+def learned_position_limit(model) -> int | None:
+    """Positions the model can embed when it has a learned position table (GPT-2's wpe, OPT's embed_positions), else
+    None: rotary and ALiBi models have no table and, like `model.generate`, run past max_position_embeddings."""
+    context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    tokens = model.get_input_embeddings()
+    sizes = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Embedding) and module is not tokens:
+            size = module.num_embeddings - getattr(module, "offset", 0)  # OPT keeps two extra rows
+            if size == context or "pos" in name.rsplit(".", 1)[-1]:
+                sizes.append(size)
+    return min(sizes) if sizes else None
 
 
 def cache_fingerprint(model) -> dict:

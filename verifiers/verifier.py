@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from transformers import GenerationMixin, PreTrainedModel
 
-from verifiers.cache import MASKED_ATTENTION, SharedCache, attention_pattern
+from verifiers.cache import SharedCache, attention_pattern, learned_position_limit, row_mask_problem
 
 STATIC_CAPACITY_STEP = 256  # static caches are sized in multiples of this many slots
 
@@ -57,7 +57,8 @@ class Verifier:
         bad = [i for i in hidden_layers if not -num_states <= i < num_states]
         if bad:
             raise ValueError(f"hidden_layers {bad} out of range for a model with {num_states - 1} layers")
-        if getattr(text, "layer_types", None) and any("linear" in t or "mamba" in t for t in text.layer_types):
+        recurrent = getattr(text, "layer_types", None) and any("linear" in t or "mamba" in t for t in text.layer_types)
+        if getattr(model, "_is_stateful", False) or recurrent:
             raise ValueError(
                 f"{type(model).__name__} keeps state that cannot be rolled back by cropping "
                 "(linear attention / recurrent layers): speculative decoding needs a croppable KV cache"
@@ -67,13 +68,16 @@ class Verifier:
         self.hidden_layers = tuple(hidden_layers)
         self.hidden_width = len(self.hidden_layers) * text.hidden_size
         self._supports_logits_to_keep = model._supports_logits_to_keep()
-        # Rows of different lengths need per-row masks; other implementations run one row per forward.
-        self.batches = model.config._attn_implementation in MASKED_ATTENTION
-        self.max_positions = getattr(text, "max_position_embeddings", None)
-        if static and not self.batches:
-            raise ValueError(f"cache_implementation='static' reads the cache through hybrid's own masks, which "
-                             f"attn_implementation={model.config._attn_implementation!r} does not take: load the "
-                             "model with attn_implementation='sdpa' (or drop cache_implementation)")  # fmt: skip
+        # Rows of different lengths need per-row masks; a model that cannot take them runs one row per forward.
+        self.row_mask_problem = row_mask_problem(model)
+        self.batches = self.row_mask_problem is None
+        # A learned position table ends; past it `generate` fails too, so `hybrid.generate` refuses such a call up
+        # front and a real token's position is never clamped here.
+        self.max_positions = learned_position_limit(model)
+        if static and self.row_mask_problem:
+            raise ValueError(f"cache_implementation='static' reads the cache through hybrid's own per-row masks, and "
+                             f"{type(model).__name__} cannot take them: {self.row_mask_problem}. Drop cache_implementation "
+                             "(the dynamic path serves this model)")  # fmt: skip
         self.static = static
         self.max_width = max_width
         self.compile_config = compile_config
@@ -103,8 +107,8 @@ class Verifier:
         `capacity` bounds a row's length (prompt + new tokens + draft) so buffers are allocated once.
         """
         if len(rows) > 1 and not self.batches:
-            raise ValueError(f"attn_implementation={self.model.config._attn_implementation!r} takes no per-row "
-                             f"masks: verify one row per call (or load the model with attn_implementation='sdpa')")  # fmt: skip
+            raise ValueError(f"{type(self.model).__name__} takes no per-row masks ({self.row_mask_problem}): verify one "
+                             "row per call")  # fmt: skip
         if self.static:  # calls of similar length share a capacity, hence their compiled graphs
             capacity = -(-capacity // STATIC_CAPACITY_STEP) * STATIC_CAPACITY_STEP
         self.cache = SharedCache(self.model, len(rows), capacity, self.hidden_width, static=self.static)
@@ -115,22 +119,30 @@ class Verifier:
         tokens = torch.stack([torch.cat([row, row.new_zeros(width - row.shape[0])]) for row in rows])
         last = torch.tensor(lengths, device=tokens.device) - 1
         keep = torch.unique(last)
-        logits = self._forward(tokens, logits_to_keep=keep if self._supports_logits_to_keep else 0)
+        logits = self._forward(tokens, lengths, logits_to_keep=keep if self._supports_logits_to_keep else 0)
+        if not all(layer.is_initialized for layer in self.cache.layers):
+            raise ValueError(
+                f"{type(self.model).__name__}'s forward did not store its keys/values in the cache hybrid passed it "
+                "(cache=...): such a model recomputes the whole sequence every step, so a verify of drafted tokens "
+                "would not see the committed ones. hybrid needs a model that uses a transformers Cache"
+            )
         column = torch.searchsorted(keep, last) if self._supports_logits_to_keep else last
         self.cache.rollback([width - n for n in lengths])
         return logits[torch.arange(len(rows)), column]
 
     @torch.inference_mode()
-    def verify_rows(self, tokens: torch.Tensor) -> torch.Tensor:
+    def verify_rows(self, tokens: torch.Tensor, real: list[int] | None = None) -> torch.Tensor:
         """Feed tokens [rows, m] after each row's cache; return float32 logits [rows, m, vocab]:
-        [b, i] is the verifier's view after row b's tokens[b, :i+1]."""
+        [b, i] is the verifier's view after row b's tokens[b, :i+1]. Row b's tokens past `real[b]` (default: m)
+        are padding, whose outputs are never read and whose slots are dropped."""
+        real = [tokens.shape[1]] * tokens.shape[0] if real is None else real
         if not self.static:
-            return self._forward(tokens, logits_to_keep=0)
+            return self._forward(tokens, real, logits_to_keep=0)
         m = tokens.shape[1]
         width = self.padded_width(m)
         # Padded with the last token: its slots lie past what any row keeps, so they are dropped at once.
         padded = torch.cat([tokens, tokens[:, -1:].expand(-1, width - m)], dim=1)
-        logits = self._forward(padded, logits_to_keep=0, call=self.step_call)
+        logits = self._forward(padded, real, logits_to_keep=0, call=self.step_call)
         self.cache.rollback([width - m] * padded.shape[0])
         return logits[:, :m]
 
@@ -157,9 +169,9 @@ class Verifier:
     # -- batch 1 ----------------------------------------------------------------------------------------
 
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, capacity: int) -> torch.Tensor:
-        """One prompt [1, n] (left padding, if any, marked by `attention_mask`); logits after it [vocab]."""
-        start = 0 if attention_mask is None else int(attention_mask[0].argmax())
-        return self.prefill_rows([input_ids[0, start:]], capacity)[0]
+        """One prompt [1, n] (its masked tokens, if any, marked 0 in `attention_mask`); logits after it [vocab]."""
+        tokens = input_ids[0] if attention_mask is None else input_ids[0][attention_mask[0].bool()]
+        return self.prefill_rows([tokens], capacity)[0]
 
     def verify(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed `tokens` [1, m] after the cache; return float32 logits [m, vocab], row i = after tokens[:, :i+1]."""
@@ -178,13 +190,19 @@ class Verifier:
 
     # -- the forward --------------------------------------------------------------------------------------
 
-    def _forward(self, input_ids: torch.Tensor, logits_to_keep, call=None) -> torch.Tensor:
+    def _forward(self, input_ids: torch.Tensor, real: list[int], logits_to_keep, call=None) -> torch.Tensor:
+        """One forward of input_ids [rows, m] after each row's cache, of which row b's first real[b] are tokens."""
         call = call or self.model
         compiled = call is not self.model
         m = input_ids.shape[1]
         position_ids = self.cache.begin(m)
-        if self.max_positions is not None:  # only a short row's padding can reach past the context; its
-            position_ids = position_ids.clamp(max=self.max_positions - 1)  # outputs are never read
+        if self.max_positions is not None:
+            last = max(n + r - 1 for n, r in zip(self.cache.lengths, real))
+            if last >= self.max_positions:
+                raise ValueError(f"position {last} is past the {self.max_positions} positions "
+                                 f"{type(self.model).__name__} embeds: shorten the prompt or max_new_tokens")  # fmt: skip
+            # Padding may reach past the table; its outputs are never read, so any position in range serves.
+            position_ids = position_ids.clamp(max=self.max_positions - 1)
         # Aligned rows (always at batch 1 on the dynamic path): the model's own causal mask is right, as the
         # cache ends at length + m. Uneven rows and static shapes: per-row masks from the lengths.
         mask = None if self.cache.aligned else self.cache.attention_mask(m)

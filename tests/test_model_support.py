@@ -1,0 +1,139 @@
+"""What hybrid serves and what it refuses, model by model: each case once gave output different from
+`model.generate`'s without a word, or failed deep inside transformers. Now it equals `generate` or raises an error
+that names the problem and the fix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import OpenAIGPTConfig, OpenAIGPTLMHeadModel, RwkvConfig, RwkvForCausalLM
+
+import hybrid
+from drafters import ModelDrafter, PromptLookupDrafter
+from hybrid.testing import check_greedy_lossless, tiny_model
+from strategies import LyingDrafter
+
+GREEDY = {"do_sample": False, "pad_token_id": 0}
+
+
+def two_prompts(vocab: int):
+    """A left-padded batch of two prompts of lengths 10 and 13 (padding 0), and the prompts alone."""
+    gen = torch.Generator().manual_seed(1)
+    a, b = torch.randint(1, vocab, (10,), generator=gen), torch.randint(1, vocab, (13,), generator=gen)
+    ids = torch.stack([torch.cat([torch.zeros(3, dtype=torch.long), a]), b])
+    mask = torch.tensor([[0] * 3 + [1] * 10, [1] * 13])
+    return ids, mask, [a, b]
+
+
+def assert_rows_equal_batch_one(model, ids, mask, rows, drafter, **kwargs):
+    batch = hybrid.generate(model, ids, attention_mask=mask, drafter=drafter, max_new_tokens=20, **GREEDY, **kwargs)
+    for r, row in enumerate(rows):
+        alone = model.generate(row[None], max_new_tokens=20, **GREEDY)[0, len(row) :]
+        assert torch.equal(batch[r, ids.shape[1] :], alone), f"row {r}"
+
+
+@pytest.mark.parametrize("arch", ["gpt_neo", "bloom", "falcon", "mpt"])
+def test_models_that_build_their_own_masks_batch_row_by_row(arch):
+    """GPT-Neo's local attention (window 7) lives inside its attention modules and ALiBi models build their bias
+    from a 2-D mask: neither can take per-row masks, so a batch decodes one row per forward, each row exactly."""
+    model = tiny_model(arch, 96, 2, seed=0, sliding_window=7 if arch == "gpt_neo" else None)
+    ids, mask, rows = two_prompts(96)
+    for drafter in (PromptLookupDrafter(), ModelDrafter(model)):
+        assert_rows_equal_batch_one(model, ids, mask, rows, drafter)
+    check_greedy_lossless(model, rows[1][None], PromptLookupDrafter(), max_new_tokens=20, pad_token_id=0)
+
+
+@pytest.mark.parametrize("arch", ["gpt_neo", "bloom", "falcon", "mpt"])
+def test_static_path_refuses_models_without_per_row_masks(arch):
+    model = tiny_model(arch, 96, 2, seed=0, sliding_window=7 if arch == "gpt_neo" else None)
+    with pytest.raises(ValueError, match=r"static.*per-row masks.*Drop cache_implementation"):
+        hybrid.generate(model, torch.tensor([[1, 2, 3]]), drafter=None, max_new_tokens=4, cache_implementation="static")
+
+
+def test_rotary_model_runs_past_max_position_embeddings_as_generate():
+    """RoPE has no table: `generate` goes on past max_position_embeddings, and so does hybrid, never clamping."""
+    model = tiny_model("llama", 96, 2, seed=0, max_position_embeddings=32)
+    prompt = torch.randint(1, 96, (1, 20), generator=torch.Generator().manual_seed(1))
+    for drafter in (None, PromptLookupDrafter(), ModelDrafter(model)):
+        report = check_greedy_lossless(model, prompt, drafter, max_new_tokens=30, pad_token_id=0)
+        assert report.near_tie_at is None
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "opt"])
+def test_learned_position_table_bounds_the_call(arch):
+    """Past a learned table `generate` fails with IndexError mid-way; hybrid refuses up front, naming the fix."""
+    model = tiny_model(arch, 96, 2, seed=0, max_position_embeddings=32)
+    prompt = torch.randint(1, 96, (1, 20), generator=torch.Generator().manual_seed(1))
+    with pytest.raises(ValueError, match=r"past the 32 positions .* lower max_new_tokens to at most 12"):
+        hybrid.generate(model, prompt, drafter=PromptLookupDrafter(), max_new_tokens=30, **GREEDY)
+    with pytest.raises(ValueError, match=r"shorten the prompt"):
+        hybrid.generate(model, torch.ones(1, 40, dtype=torch.long), drafter=None, max_new_tokens=1, **GREEDY)
+    # Up to the table's end, drafts included, it equals generate.
+    check_greedy_lossless(model, prompt, ModelDrafter(model), max_new_tokens=12, pad_token_id=0)
+
+
+def test_attention_mask_with_a_hole_is_honoured():
+    """`generate` masks a token inside the prompt (mask 0, or inferred from pad_token_id): so does hybrid."""
+    model = tiny_model("llama", 64, 2, seed=3)
+    ids = torch.tensor([[5, 17, 0, 33, 41, 8, 9]])
+    mask = torch.tensor([[1, 1, 0, 1, 1, 1, 1]])
+    for drafter in (PromptLookupDrafter(), ModelDrafter(model)):
+        check_greedy_lossless(model, ids, drafter, attention_mask=mask, max_new_tokens=20, pad_token_id=0)
+        check_greedy_lossless(model, ids, drafter, max_new_tokens=20, pad_token_id=0)  # mask inferred from the pad
+    holes = torch.tensor([[1, 0, 1, 0, 0, 1, 1]])
+    check_greedy_lossless(model, ids, PromptLookupDrafter(), attention_mask=holes, max_new_tokens=20, pad_token_id=0)
+
+
+def test_model_that_ignores_the_cache_is_refused():
+    """OpenAI GPT accepts `cache=` and drops it, so a verify would see only the fed tokens."""
+    torch.manual_seed(0)
+    model = OpenAIGPTLMHeadModel(OpenAIGPTConfig(vocab_size=96, n_embd=32, n_layer=2, n_head=4, n_positions=64)).eval()
+    with pytest.raises(ValueError, match=r"did not store its keys/values in the cache"):
+        hybrid.generate(model, torch.tensor([[1, 2, 3]]), drafter=PromptLookupDrafter(), max_new_tokens=5, **GREEDY)
+
+
+def test_recurrent_model_is_refused_clearly():
+    model = RwkvForCausalLM(RwkvConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32,
+                                       intermediate_size=64)).eval()  # fmt: skip
+    with pytest.raises(ValueError, match=r"keeps state that cannot be rolled back"):
+        hybrid.generate(model, torch.tensor([[1, 2, 3]]), drafter=None, max_new_tokens=5, **GREEDY)
+
+
+def test_use_cache_false_in_the_config_is_no_request():
+    """MPT's config says use_cache=False; hybrid needs its own forwards cached and the output is the same."""
+    model = tiny_model("mpt", 96, 2, seed=0)
+    assert model.config.use_cache is False
+    check_greedy_lossless(model, torch.tensor([[4, 5, 6, 4, 5]]), PromptLookupDrafter(), max_new_tokens=20, pad_token_id=0)
+    with pytest.raises(ValueError, match=r"use_cache=False"):  # asked for by the caller, it still raises
+        hybrid.generate(model, torch.tensor([[4, 5]]), drafter=None, max_new_tokens=5, use_cache=False, **GREEDY)
+
+
+def test_float_max_new_tokens_as_generate():
+    model = tiny_model("llama", 96, 2, seed=0)
+    prompt = torch.tensor([[3, 4, 5, 6, 7]])
+    expected = model.generate(prompt, max_new_tokens=2.5, **GREEDY)
+    assert torch.equal(hybrid.generate(model, prompt, drafter=ModelDrafter(model), max_new_tokens=2.5, **GREEDY), expected)
+
+
+def test_training_mode_warns():
+    model = tiny_model("llama", 96, 1, seed=0).train()
+    with pytest.warns(UserWarning, match=r"training mode.*model.eval\(\)"):
+        hybrid.generate(model, torch.tensor([[1, 2]]), drafter=None, max_new_tokens=2, **GREEDY)
+
+
+def test_lying_drafter_cannot_inject_tokens():
+    """A drafter proposing token 63 with q(63) = 1e-9: under the default rule the output is `generate`'s, seed for
+    seed; the rejection rule trusts q, and then the token floods the output (hence not the default)."""
+    model = tiny_model("llama", 64, 2, seed=3)
+    prompt = torch.tensor([[1, 2, 3, 4]])
+    sample = {"do_sample": True, "max_new_tokens": 30, "pad_token_id": 0}
+    injected = 0
+    for seed in range(10):
+        torch.manual_seed(seed)
+        expected = model.generate(prompt, **sample)
+        torch.manual_seed(seed)
+        assert torch.equal(hybrid.generate(model, prompt, drafter=LyingDrafter(64, 63), **sample), expected)
+        torch.manual_seed(seed)
+        out = hybrid.generate(model, prompt, drafter=LyingDrafter(64, 63), acceptance="rejection", **sample)
+        injected += int((out[0, 4:] == 63).sum())
+    assert injected > 100, injected  # of 300 tokens; model.generate samples it a few times
