@@ -3,7 +3,8 @@
 The contract (README, "Losslessness"):
 * Greedy: `hybrid.generate` returns `model.generate`'s tokens. Verifying k+1 positions in one forward
   does not reproduce the last bits of one-token decoding, so where the verifier's two best processed
-  scores are within `NEAR_TIE_EPS` the two runs may take different branches. `check_greedy_lossless`
+  scores are within `near_tie_eps(dtype)` (1e-4 in float32; two rounding steps of the top score in bfloat16 and
+  float16) the two runs may take different branches. `check_greedy_lossless`
   allows a divergence only at such a near tie, and reports when it did.
 * Sampling (the default "match" rule), batch 1: after the same `torch.manual_seed`, `hybrid.generate` returns
   `model.generate`'s tokens. Each token is one multinomial draw on the verifier's processed probabilities, as in
@@ -26,7 +27,17 @@ from transformers import DynamicCache
 
 import hybrid
 
-NEAR_TIE_EPS = 1e-4  # absolute gap between the top-2 processed scores (float32)
+NEAR_TIE_EPS = 1e-4  # absolute gap between the top-2 processed scores of a float32 verifier
+
+
+def near_tie_eps(dtype: torch.dtype, top_score: float) -> float:
+    """The gap below which two top scores count as tied for a verifier computing in `dtype`: `NEAR_TIE_EPS` in
+    float32; in bfloat16 / float16, two rounding steps of the top score (2 * finfo.eps * |score|), since a wider
+    forward rounds each logit differently by about one step (0.0156 at |score| ~ 2-4 in bfloat16)."""
+    if dtype == torch.float32 or not dtype.is_floating_point:
+        return NEAR_TIE_EPS
+    return max(NEAR_TIE_EPS, 2 * torch.finfo(dtype).eps * max(1.0, abs(top_score)))
+
 GREEDY_CHECKS = {"checked": 0, "near_ties": 0}  # how often the near-tie exception was needed, this process
 SAMPLE_EPS = 1e-4  # largest difference between the two runs' probabilities where a boundary draw may differ
 SAMPLING_CHECKS = {"checked": 0, "boundary_draws": 0}
@@ -129,11 +140,11 @@ def check_greedy_lossless(model, input_ids: torch.Tensor, drafter, scheduler=Non
         )
     j = int(mismatch[0])
     top2 = ref.scores[j][0].topk(2).values
-    gap = float(top2[0] - top2[1])
-    if gap >= NEAR_TIE_EPS:
+    gap, eps = float(top2[0] - top2[1]), near_tie_eps(model.dtype, float(top2[0]))
+    if gap >= eps:
         raise AssertionError(
             f"greedy output differs at new token {j}: model.generate chose {int(expected[j])}, hybrid chose "
-            f"{int(got[j])}; top-2 score gap {gap:.3g} >= {NEAR_TIE_EPS} (not a near tie)\n"
+            f"{int(got[j])}; top-2 score gap {gap:.3g} >= {eps:.3g} (not a near tie in {model.dtype})\n"
             f"expected {expected.tolist()}\n     got {got.tolist()}"
         )
     GREEDY_CHECKS["near_ties"] += 1

@@ -137,3 +137,15 @@ def test_lying_drafter_cannot_inject_tokens():
         out = hybrid.generate(model, prompt, drafter=LyingDrafter(64, 63), acceptance="rejection", **sample)
         injected += int((out[0, 4:] == 63).sum())
     assert injected > 100, injected  # of 300 tokens; model.generate samples it a few times
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_within_the_near_tie_contract(dtype):
+    """In bfloat16 / float16 a wider forward rounds logits differently by about one step: greedy output equals
+    `generate`'s except after a tie within two rounding steps of the top score (`near_tie_eps`)."""
+    gen = torch.Generator().manual_seed(0)
+    for seed in range(3):
+        model = tiny_model("llama", 96, 2, seed=seed).to(dtype)
+        prompt = torch.randint(0, 96, (1, 8), generator=gen)
+        for drafter in (PromptLookupDrafter(), ModelDrafter(model)):
+            check_greedy_lossless(model, prompt, drafter, max_new_tokens=30, pad_token_id=0)
