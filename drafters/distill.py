@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from drafters.corpus import source_documents
-from hybrid.prompts import encode_prompt
+from verifiers.prompts import encode_prompt
 
 
 def _pad_id(tokenizer) -> int:

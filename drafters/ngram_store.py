@@ -215,7 +215,7 @@ def main(argv=None) -> None:
     from drafters.block_diffusion import verifier_fingerprint
     from drafters.distill import load_sequences
     from drafters.train import HELD_OUT_EVERY, held_out_indices
-    from hybrid.default import load_verifier
+    from verifiers.embedded import load_verifier
 
     verifier, tokenizer = load_verifier()
     answers = load_sequences(args.answers, tokenizer, doc_tokens=0)

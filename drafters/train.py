@@ -327,7 +327,7 @@ def main(argv=None) -> None:
         parser().error("--init-from starts a block drafter from a checkpoint: use it with --arch block")
     if args.threads:
         torch.set_num_threads(args.threads)
-    from hybrid.default import load_verifier
+    from verifiers.embedded import load_verifier
 
     verifier, tokenizer = load_verifier(args.device)
     verifier.requires_grad_(False)

@@ -44,9 +44,9 @@ from drafters import Drafter, OracleDrafter, PromptLookupDrafter
 from experiments import trained_drafters
 from experiments import metrics, plots
 from experiments.datasets import load_prompts
-from hybrid.prompts import encode_prompt
 from schedulers import Scheduler
 from schedulers.registry import NAMES_HELP, check_scheduler_name, fixed_k, make_scheduler
+from verifiers.prompts import encode_prompt
 
 RUNS_FILE, SUMMARY_FILE, REPORT_FILE = "runs.jsonl", "summary.csv", "report.md"
 

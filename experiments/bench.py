@@ -44,9 +44,9 @@ import hybrid
 from drafters import OracleDrafter, PromptLookupDrafter
 from experiments.acceptance import append_record, drop_partial_line, load_model, read_records
 from experiments.datasets import load_prompts
-from hybrid.prompts import encode_prompt
 from schedulers import FixedScheduler
 from schedulers.registry import NAMES_HELP, check_scheduler_name, make_scheduler
+from verifiers.prompts import encode_prompt
 
 METHODS = ("plain", "hf-lookup", "hybrid-none", "hybrid-lookup", "hybrid-lookup-store", "hybrid-block", "hybrid-block-lookup",
            "hybrid-block-lookup-store", "hybrid-block-long-lookup", "hybrid-block-long-lookup-store", "hybrid-match-store", "hybrid-default", "hybrid-ar",

@@ -116,7 +116,7 @@ def main(argv=None) -> None:
     except ValueError:
         parser.error("--prefer-store needs --ngram-store and a share in [0, 1]")
     torch.set_grad_enabled(False)
-    from hybrid.default import load_verifier
+    from verifiers.embedded import load_verifier
 
     verifier, tokenizer = load_verifier("cpu")
     ngrams = args.ngram_store and NgramStore.from_pretrained(args.ngram_store)
