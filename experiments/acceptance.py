@@ -101,7 +101,7 @@ DRAFTERS: dict[str, DrafterEntry | None] = {
                             default_block_size=trained_drafters.LONG_LOOKUP_TOKENS),
     "match-store": DrafterEntry(lambda block, reference, model: trained_drafters.match_store(block),
                                 default_block_size=trained_drafters.LONG_LOOKUP_TOKENS),
-    # The 1-layer AR baseline of the same trainable budget (`python -m drafters.train --arch ar`).
+    # The 1-layer AR baseline of the same trainable budget (`python -m drafters.training.train --arch ar`).
     "ar": DrafterEntry(lambda block, reference, model: trained_drafters.ar(model, block), default_block_size=6),
 }
 
