@@ -23,7 +23,7 @@ from verifiers.embedded import load_verifier
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m drafters.training.ngram_build", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--answers", type=Path, required=True, help="a folder of gen-*.json answers (the training's generate stage)")
+    parser.add_argument("--answers", type=Path, required=True, help="a folder of gen-*.json answers (the generate stage of drafters.training.train)")
     parser.add_argument("--out", type=Path, required=True, help="where the store goes")
     parser.add_argument("--max-n", type=int, default=4, help="longest n-gram kept (n tokens must pack into 64 bits)")
     parser.add_argument("--min-count", type=int, default=2, help="drop n-grams seen fewer times")
