@@ -1,9 +1,8 @@
 """Drafters propose tokens; the verifier decides. One file per drafter, the interface in `base.py`.
 
-The block-diffusion drafter is `block_diffusion.py`; its training: `corpus.py` (prompts and texts),
-`distill.py` (verifier data and features), `training.py` (batches, loss), `train.py` (the command).
-`ngram_store.py` is the table of what the verifier said next in its training answers, which continues
-the lookup match of the block drafter (and of `PromptLookupDrafter`, given one).
+The block-diffusion drafter is `block_diffusion.py`; its training is the `training` package, which no
+drafter imports. `ngram_store.py` is the table of what the verifier said next in its training answers, which
+continues the lookup match of the block drafter (and of `PromptLookupDrafter`, given one).
 """
 
 from drafters.base import Draft, DraftContext, Drafter, DraftError

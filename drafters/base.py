@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 from transformers import LogitsProcessorList
 
+from verifiers.logits import process_logits
+
 
 @dataclass
 class Draft:
@@ -42,13 +44,6 @@ class Draft:
     def truncate(self, k: int) -> Draft:
         cut = lambda t: None if t is None else t[:k]  # noqa: E731
         return Draft(self.tokens[:k], cut(self.probs), cut(self.confidence))
-
-
-def process_logits(processors: LogitsProcessorList, prefix_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-    """Apply `generate`'s logits processors (and, when sampling, warpers) to one position's logits [vocab]."""
-    if not processors:
-        return logits
-    return processors(prefix_ids, logits[None])[0]
 
 
 @dataclass

@@ -5,7 +5,7 @@ the masks are the B - 1 tokens to draft. Attention is bidirectional inside the b
 text the drafter re-reads: it is the verifier's own hidden states of several layers, concatenated,
 projected (linear + RMSNorm) and used as extra keys/values by every drafter layer (DFlash's design).
 At draft time the verifier has states only up to the token BEFORE the anchor; training uses exactly that
-visibility (drafters.train). The token embedding and LM head are the verifier's (frozen, never saved);
+visibility (drafters.training). The token embedding and LM head are the verifier's (frozen, never saved);
 the head is restricted to a draft vocabulary (the tokens the verifier actually emits), which makes
 training and drafting cheaper and keeps both in the same space.
 
@@ -491,7 +491,7 @@ class BlockDiffusionDrafter(Drafter):
 
 def check_fingerprint(expected: dict, actual: dict) -> None:
     check_same_verifier(expected, actual, "this drafter was trained for another verifier",
-                        "load a checkpoint trained for this verifier, or train one with `python -m drafters.train`")
+                        "load a checkpoint trained for this verifier, or train one with `python -m drafters.training.train`")
 
 
 def save_model(model: BlockDiffusionModel, path: str | Path, dtype: torch.dtype | None = None) -> None:

@@ -1,7 +1,7 @@
 """N-gram store: what the verifier itself said next after each n-gram, over all its training answers.
 
 Prompt lookup copies from the current context. This copies from everything the verifier answered when the
-drafter's training data was generated (`drafters.train`'s answers, held-out answers excluded): retrieval-based
+drafter's training data was generated (`drafters.training`'s answers, held-out answers excluded): retrieval-based
 drafting (REST, He et al. 2024) whose datastore is the verifier's own greedy output, so what it retrieves is
 what this verifier tends to say. Per n-gram it keeps the most frequent next token and that token's share of
 the n-gram's continuations, which is the confidence the scheduler calibrates.
@@ -9,16 +9,14 @@ the n-gram's continuations, which is the confidence the scheduler calibrates.
 Keys are the n tokens packed into one uint64 (exact, no hashing: n * bits(vocabulary) <= 64), one sorted array
 per n, so a lookup is a binary search. The longest n-gram that matches the end of the context wins.
 
-    python -m drafters.ngram_store --answers ~/.cache/hybrid/drafter-gpu/generated-b512-syn8000 \\
+    python -m drafters.training.ngram_build --answers ~/.cache/hybrid/drafter-gpu/generated-b512-syn8000 \\
         --out drafters/checkpoints/smollm2-135m-ngram
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
-import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -157,7 +155,7 @@ class NgramStore:
         for file in (config_file, tables_file):
             if not file.is_file():
                 raise FileNotFoundError(f"{file} not found: an NgramStore is a folder with {CONFIG_NAME} and {TABLES_NAME} "
-                                        "(written by `python -m drafters.ngram_store`)")
+                                        "(written by `python -m drafters.training.ngram_build`)")
         try:
             config = json.loads(config_file.read_text())
             tables = load_file(str(tables_file))
@@ -167,7 +165,7 @@ class NgramStore:
                        [tables[f"share.{n}"].astype(np.float32) for n in ns], config["verifier"], config["info"])
         except (json.JSONDecodeError, KeyError, TypeError, SafetensorError, OSError) as e:
             raise ValueError(f"{path} is not a valid NgramStore ({type(e).__name__}: {e}): rebuild it with "
-                             "`python -m drafters.ngram_store`") from None
+                             "`python -m drafters.training.ngram_build`") from None
 
 
 def token_bits(vocab_size: int) -> int:
@@ -198,36 +196,4 @@ def most_frequent_next(keys: np.ndarray, targets: np.ndarray, min_count: int):
 def check_store_fits(store: NgramStore, fingerprint: dict) -> None:
     """The store's tokens are the verifier's: another verifier (tokenizer) gets a clear error."""
     check_same_verifier(store.verifier, fingerprint, "this n-gram store was built from another verifier's answers",
-                        "build one for this verifier with `python -m drafters.ngram_store`")
-
-
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m drafters.ngram_store", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--answers", type=Path, required=True, help="a folder of gen-*.json answers (drafters.train's generate stage)")
-    parser.add_argument("--out", type=Path, required=True, help="where the store goes")
-    parser.add_argument("--max-n", type=int, default=4, help="longest n-gram kept (n tokens must pack into 64 bits)")
-    parser.add_argument("--min-count", type=int, default=2, help="drop n-grams seen fewer times")
-    args = parser.parse_args(argv)
-    if not sorted(args.answers.glob("gen-*.json")):
-        parser.error(f"--answers {args.answers}: no gen-*.json files there; generate them with `python -m drafters.train`")
-
-    from drafters.block_diffusion import verifier_fingerprint
-    from drafters.distill import load_sequences
-    from drafters.train import HELD_OUT_EVERY, held_out_indices
-    from hybrid.default import load_verifier
-
-    verifier, tokenizer = load_verifier()
-    answers = load_sequences(args.answers, tokenizer, doc_tokens=0)
-    held = held_out_indices([s["source"] for s in answers])  # the answers drafters.train and experiments.heldout hold out
-    train = [(s["ids"], s["prompt_len"]) for i, s in enumerate(answers) if i not in held]
-    store = NgramStore.build(train, verifier.config.vocab_size, args.max_n, args.min_count, verifier_fingerprint(verifier),
-                             {"command": " ".join(["python -m drafters.ngram_store", *(argv if argv is not None else sys.argv[1:])]),
-                              "answers": args.answers.name, "sequences": len(train), "held_out_every": HELD_OUT_EVERY})
-    store.save_pretrained(args.out)
-    print(f"{len(train)} answers ({store.info['answer_tokens']} tokens) -> {sum(store.info['entries'])} n-grams "
-          f"{store.info['entries']} in {args.out}")
-
-
-if __name__ == "__main__":
-    main()
+                        "build one for this verifier with `python -m drafters.training.ngram_build`")

@@ -44,9 +44,9 @@ from drafters import Drafter, OracleDrafter, PromptLookupDrafter
 from experiments import trained_drafters
 from experiments import metrics, plots
 from experiments.datasets import load_prompts
-from hybrid.prompts import encode_prompt
 from schedulers import Scheduler
 from schedulers.registry import NAMES_HELP, check_scheduler_name, fixed_k, make_scheduler
+from verifiers.prompts import encode_prompt
 
 RUNS_FILE, SUMMARY_FILE, REPORT_FILE = "runs.jsonl", "summary.csv", "report.md"
 
@@ -101,7 +101,7 @@ DRAFTERS: dict[str, DrafterEntry | None] = {
                             default_block_size=trained_drafters.LONG_LOOKUP_TOKENS),
     "match-store": DrafterEntry(lambda block, reference, model: trained_drafters.match_store(block),
                                 default_block_size=trained_drafters.LONG_LOOKUP_TOKENS),
-    # The 1-layer AR baseline of the same trainable budget (`python -m drafters.train --arch ar`).
+    # The 1-layer AR baseline of the same trainable budget (`python -m drafters.training.train --arch ar`).
     "ar": DrafterEntry(lambda block, reference, model: trained_drafters.ar(model, block), default_block_size=6),
 }
 

@@ -24,7 +24,7 @@ import hybrid
 from drafters import PromptLookupDrafter
 from experiments.acceptance import load_model, parse_numbers
 from experiments.datasets import load_prompts
-from hybrid.prompts import encode_prompt
+from verifiers.prompts import encode_prompt
 
 METHODS = ("plain", "hybrid", "hybrid-none")
 

@@ -7,7 +7,7 @@ Methods: plain `model.generate`; HF assisted generation with prompt lookup; hybr
 with prompt lookup (alone and continued by the shipped n-gram store, `hybrid-lookup-store`), with the shipped
 block-diffusion drafter (alone, with n-gram lookup, with lookup and the store: `hybrid-block-lookup-store`, and as
 `hybrid.load_default()` builds it: `hybrid-default`; its lookup without the model is `hybrid-match-store`), with the
-1-layer AR baseline drafter (`python -m drafters.train --arch ar`), and with an oracle drafter that
+1-layer AR baseline drafter (`python -m drafters.training.train --arch ar`), and with an oracle drafter that
 proposes the verifier's own greedy continuation at zero cost (the ceiling of speculative decoding for
 this verifier on this machine: every method is also reported as a fraction of it). Greedy only: every
 output is checked against plain `generate`'s. A hybrid method takes a scheduler after `@`
@@ -44,9 +44,9 @@ import hybrid
 from drafters import OracleDrafter, PromptLookupDrafter
 from experiments.acceptance import append_record, drop_partial_line, load_model, read_records
 from experiments.datasets import load_prompts
-from hybrid.prompts import encode_prompt
 from schedulers import FixedScheduler
 from schedulers.registry import NAMES_HELP, check_scheduler_name, make_scheduler
+from verifiers.prompts import encode_prompt
 
 METHODS = ("plain", "hf-lookup", "hybrid-none", "hybrid-lookup", "hybrid-lookup-store", "hybrid-block", "hybrid-block-lookup",
            "hybrid-block-lookup-store", "hybrid-block-long-lookup", "hybrid-block-long-lookup-store", "hybrid-match-store", "hybrid-default", "hybrid-ar",

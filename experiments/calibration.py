@@ -19,8 +19,8 @@ from pathlib import Path
 
 import hybrid
 from experiments.datasets import load_prompts
-from hybrid.prompts import encode_prompt
 from schedulers import CostAwareScheduler
+from verifiers.prompts import encode_prompt
 
 
 class RecordingScheduler(CostAwareScheduler):

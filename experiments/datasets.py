@@ -7,7 +7,7 @@ import gzip
 import json
 from pathlib import Path
 
-from hybrid.wheels import wheel_file
+from verifiers.embedded import wheel_file
 
 DEV = Path(__file__).parent / "prompts" / "dev.jsonl"
 

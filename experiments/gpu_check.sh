@@ -31,7 +31,7 @@ echo "== tiny random verifier, static shapes compiled (CUDA graphs on a GPU): pl
 python -m experiments.bench --model tiny --device "$DEVICE" --dataset dev --num-prompts 4 --max-new-tokens 64 \
   --repeats 2 --methods plain,plain+compiled,hybrid-lookup+compiled,oracle+compiled --out "$OUT/bench-tiny-compiled" | tail -9
 
-if python -c "from hybrid.default import find_gguf; find_gguf()" 2>/dev/null; then
+if python -c "from verifiers.embedded import find_gguf; find_gguf()" 2>/dev/null; then
   echo "== default verifier (SmolLM2-135M-Instruct) + shipped drafter"
   python -m experiments.bench --device "$DEVICE" --dataset mt-bench --num-prompts 4 --max-new-tokens 128 --repeats 2 \
     --methods plain,hybrid-none,hybrid-lookup,hybrid-block,hybrid-default,oracle --out "$OUT/bench-default" | tail -8

@@ -3,7 +3,7 @@
 #
 #   bash experiments/gpu_train.sh OUT_DIR     # OUT_DIR/block, OUT_DIR/ar, OUT_DIR/{block,ar}.log
 #
-# The same pipeline as the CPU recipe (python -m drafters.train), scaled up for one CUDA GPU:
+# The same pipeline as the CPU recipe (python -m drafters.training.train), scaled up for one CUDA GPU:
 #   - prompts: the templated ones plus 8,000 user turns sampled from the verifier itself, interleaved;
 #   - data: 13 batches of 512 of them answered greedily (~1.4 M answer tokens) + 100 k tokens of documents;
 #   - drafter: 2 layers, block 8, 32 answers x 128 anchors per step, 552 steps;
@@ -32,6 +32,6 @@ common=(--device "$DEVICE" --work-dir "$WORK" --gen-shards "$GEN_SHARDS" --gen-b
         --synthetic-prompts "$SYNTHETIC" --doc-tokens "$DOC_TOKENS" --feature-batch-tokens 32768
         --seqs-per-step "$SEQS" --anchors-per-seq "$ANCHORS" --block-size "$BLOCK" --layers 2 --gamma "$GAMMA"
         --lr 2e-3 --eval-every "$EVAL_EVERY" --save-every "$EVAL_EVERY")
-python -m drafters.train --arch block "${common[@]}" --steps "$STEPS" --out "$OUT/block" 2>&1 | tee "$OUT/block.log"
+python -m drafters.training.train --arch block "${common[@]}" --steps "$STEPS" --out "$OUT/block" 2>&1 | tee "$OUT/block.log"
 [ "$BASELINE" = 0 ] && exit 0
-python -m drafters.train --arch ar "${common[@]}" --steps "$AR_STEPS" --out "$OUT/ar" 2>&1 | tee "$OUT/ar.log"
+python -m drafters.training.train --arch ar "${common[@]}" --steps "$AR_STEPS" --out "$OUT/ar" 2>&1 | tee "$OUT/ar.log"

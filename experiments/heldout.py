@@ -3,14 +3,14 @@
     python -m experiments.heldout --answers ~/.cache/hybrid/drafter-gpu/generated-b512-syn8000 \
         --block drafters/checkpoints/smollm2-135m-block --ar ~/.cache/hybrid/drafter/ar-drafter --passes 1,2,3,7
 
-`--answers` is a folder of verifier answers written by the generate stage of `drafters.train`. The
+`--answers` is a folder of verifier answers written by the generate stage of `drafters.training.train`. The
 held-out answers are the ones training holds out of that folder (every 20th generated answer,
-`drafters.train.split`); `--exclude-prompts-of` drops those whose prompt also appears in another
+`drafters.training.distill.split`); `--exclude-prompts-of` drops those whose prompt also appears in another
 answers folder (say, the data a fine-tune saw). Their verifier features are computed once and cached
-under `--work-dir`. For 8 anchors per answer it prints the estimate `drafters.train` logs while training:
+under `--work-dir`. For 8 anchors per answer it prints the estimate training logs (`drafters.training.estimate`):
 tau of one greedy block per anchor and the share of anchors whose first i drafts are all accepted, for
 prompt lookup, every `--block` checkpoint (with 1, 2, ... denoising passes) and every `--ar` baseline;
-with `--ngram-store`, that store alone and continuing prompt lookup (`drafters.ngram_store`; it must be built
+with `--ngram-store`, that store alone and continuing prompt lookup (`drafters.training.ngram_build`; it must be built
 from the same folder, so that its held-out answers are these).
 `--reveal` also prints each block checkpoint's teacher-forced accuracy by position with and without the
 true first token given, which shows whether the model reads known block tokens at all.
@@ -28,11 +28,14 @@ import torch
 
 from drafters.ar_baseline import load_ar_model
 from drafters.block_diffusion import frozen_verifier_parts, load_model
-from drafters.distill import FeatureStore, build_features, load_sequences
 from drafters.ngram_store import NgramStore
 from drafters.prompt_lookup import check_prefer_store
-from drafters.train import DEFAULT_WORK_DIR, block_batch, block_forward, estimate_tau, held_out_anchors, held_out_indices, lookup_tau
-from drafters.training import VocabMap
+from drafters.training.batches import VocabMap, block_batch
+from drafters.training.distill import FeatureStore, build_features, held_out_indices, load_sequences
+from drafters.training.estimate import estimate_tau, held_out_anchors, lookup_tau
+from drafters.training.models import block_forward
+from drafters.training.train import DEFAULT_WORK_DIR
+from verifiers.embedded import load_verifier
 
 ANCHORS_PER_ANSWER = 8
 
@@ -91,7 +94,7 @@ def match(max_ngram: int) -> str:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m experiments.heldout", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--answers", type=Path, required=True, help="a folder of gen-*.json answers (drafters.train)")
+    parser.add_argument("--answers", type=Path, required=True, help="a folder of gen-*.json answers (drafters.training.train)")
     parser.add_argument("--exclude-prompts-of", type=Path, default=None, help="drop held-out answers prompted in this folder")
     parser.add_argument("--block", type=Path, action="append", default=[], help="a block drafter checkpoint (repeatable)")
     parser.add_argument("--ar", type=Path, action="append", default=[], help="an AR baseline checkpoint (repeatable)")
@@ -106,7 +109,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     for folder in [args.answers] + ([args.exclude_prompts_of] if args.exclude_prompts_of else []):
         if not any(folder.glob("gen-*.json")):
-            parser.error(f"{folder} holds no gen-*.json answers: pass the generate stage's folder of `drafters.train`")
+            parser.error(f"{folder} holds no gen-*.json answers: pass the generate stage's folder of `drafters.training.train`")
     if args.ar and not args.block:
         parser.error("--ar needs a --block checkpoint: the baseline drafts over that drafter's vocabulary, as in training")
     passes, lookups = positive_ints(parser, "--passes", args.passes), positive_ints(parser, "--lookup", args.lookup)
@@ -116,8 +119,6 @@ def main(argv=None) -> None:
     except ValueError:
         parser.error("--prefer-store needs --ngram-store and a share in [0, 1]")
     torch.set_grad_enabled(False)
-    from hybrid.default import load_verifier
-
     verifier, tokenizer = load_verifier("cpu")
     ngrams = args.ngram_store and NgramStore.from_pretrained(args.ngram_store)
     blocks = [(path, load_model(path).float()) for path in args.block]

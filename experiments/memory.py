@@ -55,7 +55,7 @@ def measure(method: str, model_name: str, max_new_tokens: int, device: str) -> d
     import hybrid
     from drafters import PromptLookupDrafter
     from experiments.acceptance import load_model
-    from hybrid.prompts import encode_prompt
+    from verifiers.prompts import encode_prompt
 
     torch.set_grad_enabled(False)
     if model_name == "default":

@@ -7,8 +7,8 @@ from pathlib import Path
 
 from drafters import BlockDiffusionDrafter, ModelDrafter, PromptLookupDrafter
 from drafters.ar_baseline import load_ar_model
-from drafters.train import DEFAULT_WORK_DIR
 from drafters.ngram_store import NgramStore
+from drafters.training.train import DEFAULT_WORK_DIR
 from hybrid.default import (DRAFTER_DIR, DRAFTER_LOOKUP_MAX_NGRAM, DRAFTER_LOOKUP_NGRAM, DRAFTER_LOOKUP_TOKENS, DRAFTER_NGRAM_DIR,
                             DRAFTER_PREFER_STORE, default_drafter, shipped_block_size)
 

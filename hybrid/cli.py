@@ -15,7 +15,7 @@ from transformers import TextStreamer
 
 import hybrid
 from drafters import BlockDiffusionDrafter, PromptLookupDrafter
-from hybrid.prompts import encode_prompt
+from verifiers.prompts import encode_prompt
 
 DRAFTERS = ("default", "block", "prompt-lookup", "none")
 

@@ -16,10 +16,11 @@ from dataclasses import dataclass
 import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 
-from drafters.base import Draft, DraftContext, DraftError, Drafter, check_draft, process_logits
+from drafters.base import Draft, DraftContext, DraftError, Drafter, check_draft
 from hybrid.acceptance import ACCEPTANCE_RULES, sample, speculative_step
 from hybrid.stats import GenerationStats
 from schedulers.base import Scheduler
+from verifiers.logits import process_logits
 from verifiers.verifier import Verifier
 
 

@@ -18,6 +18,7 @@ import torch
 from transformers import DynamicCache
 
 from verifiers.cache import learned_position_limit
+from verifiers.embedded import cache_dir
 
 PROBE_SIZES = tuple(range(1, 18))  # a block of 16 drafts + the pending token
 CONTEXT = 64
@@ -75,8 +76,6 @@ class VerifyCostModel:
 
     @classmethod
     def for_model(cls, model, use_disk_cache: bool = True) -> VerifyCostModel:
-        from hybrid.wheels import cache_dir  # here, not at import: `hybrid` imports `schedulers`
-
         path = cache_dir() / "costs" / f"{device_key(model)}.json"
         if use_disk_cache and path.exists():
             return cls({int(m): t for m, t in json.loads(path.read_text()).items()})

@@ -12,10 +12,12 @@ from transformers import LogitsProcessorList
 
 from drafters import BlockDiffusionDrafter, DraftContext
 from drafters.block_diffusion import CONFIG_NAME, WEIGHTS_NAME, frozen_verifier_parts, load_model
-from drafters.distill import build_features
-from drafters.train import block_batch, block_forward, greedy_block_drafts, parser, train
-from drafters.train import main as train_main
-from drafters.training import VocabMap, accepted_lengths, block_targets
+from drafters.training.batches import VocabMap, block_batch, block_targets
+from drafters.training.distill import build_features
+from drafters.training.estimate import accepted_lengths, greedy_block_drafts
+from drafters.training.models import block_forward
+from drafters.training.train import main as train_main
+from drafters.training.train import parser, train
 import hybrid
 from hybrid.testing import check_greedy_lossless
 from schedulers import FixedScheduler

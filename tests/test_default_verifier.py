@@ -10,9 +10,9 @@ import pytest
 import hybrid
 from drafters import BlockDiffusionDrafter
 from hybrid.cli import main as cli_main
-from hybrid.prompts import encode_prompt
 from hybrid.testing import check_greedy_lossless
 from schedulers import FixedScheduler
+from verifiers.prompts import encode_prompt
 
 pytestmark = pytest.mark.slow
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from experiments import acceptance, metrics, plots
-from hybrid.prompts import encode_prompt
 from experiments.acceptance import DrafterEntry, load_tiny_model, make_plan, parse_args, run_key, run_shard
+from verifiers.prompts import encode_prompt
 
 REPO = Path(__file__).resolve().parent.parent
 

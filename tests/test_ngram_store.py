@@ -15,7 +15,8 @@ from transformers import LogitsProcessorList
 from drafters import PromptLookupDrafter
 from drafters.base import DraftContext
 from drafters.block_diffusion import verifier_fingerprint
-from drafters.ngram_store import CONFIG_NAME, TABLES_NAME, NgramStore, main
+from drafters.ngram_store import CONFIG_NAME, TABLES_NAME, NgramStore
+from drafters.training.ngram_build import main
 from hybrid.testing import check_greedy_lossless
 from strategies import ngram_store_for, random_block_drafter, tiny_model
 from verifiers.verifier import Verifier
@@ -88,7 +89,7 @@ def test_bad_stores_are_refused_with_the_fix(tmp_path):
     store = NgramStore.build([([1, 2, 1, 2], 0)], vocab_size=48, max_n=2, min_count=1)
     store.save_pretrained(tmp_path / "s")
     (tmp_path / "s" / TABLES_NAME).write_bytes(b"not safetensors")
-    with pytest.raises(ValueError, match="not a valid NgramStore.*python -m drafters.ngram_store"):
+    with pytest.raises(ValueError, match="not a valid NgramStore.*python -m drafters.training.ngram_build"):
         NgramStore.from_pretrained(tmp_path / "s")
     with pytest.raises(ValueError, match=r"store_min_n must be in 1\.\.2"):
         PromptLookupDrafter(ngram_store=store, store_min_n=3)
@@ -98,7 +99,7 @@ def test_bad_stores_are_refused_with_the_fix(tmp_path):
 
 def test_a_store_of_another_verifier_is_refused():
     verifier, other = tiny_model("llama", VOCAB, 1, seed=0), tiny_model("llama", VOCAB, 1, seed=1)
-    with pytest.raises(ValueError, match="built from another verifier's answers .*python -m drafters.ngram_store"):
+    with pytest.raises(ValueError, match="built from another verifier's answers .*python -m drafters.training.ngram_build"):
         random_block_drafter(verifier, seed=0, lookup_ngram=1, ngram_store=ngram_store_for(other, 0, own_answers=False))
     wrong_vocab = NgramStore.build([([1, 2, 1, 2], 0)], vocab_size=VOCAB + 16, max_n=2, min_count=1)
     with pytest.raises(ValueError, match="vocab"):

@@ -4,7 +4,7 @@ Two sources, both offline and disjoint from the evaluation sets (MT-Bench, Human
 - `chat_prompts`: user turns from hand-written templates x topics (explain, list, write, compare, ...)
   and code tasks from the standard library's own functions (signature + docstring, "implement this").
 - `source_documents`: standard-library source files and pydoc topic texts, used as assistant turns
-  whose verifier-greedy spans are exact training targets (see drafters.features).
+  whose verifier-greedy spans are exact training targets (see drafters.training.batches).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Self-distillation data: what THIS verifier says, cached on disk stage by stage.
 
 Stage `generate`: the verifier answers training prompts greedily, in batches, one shard file per
-    batch, so a rerun resumes at the first missing shard. Prompts: drafters.corpus, optionally with
+    batch, so a rerun resumes at the first missing shard. Prompts: drafters.training.corpus, optionally with
     user turns sampled from the verifier itself (`synthetic_user_turns`).
 Stage `features`: one teacher-forced verifier forward per sequence (generated answers and local
     source documents) records, per position p, what a drafter trains on:
@@ -9,6 +9,8 @@ Stage `features`: one teacher-forced verifier forward per sequence (generated an
       - greedy[p] = the verifier's argmax after x[:p+1], and its top-k probabilities (soft labels);
     On any text, greedy[p] is an exact target when x[:p+1] is itself the verifier's greedy chain,
     so local documents give exact targets along their greedy-consistent spans (`on_chain`).
+The held-out split: every HELD_OUT_EVERY-th generated answer is held out of training (of the drafter and of
+the n-gram store), and scored by the held-out estimate (drafters.training.estimate, experiments.heldout).
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from drafters.corpus import source_documents
-from hybrid.prompts import encode_prompt
+from drafters.training.corpus import source_documents
+from verifiers.prompts import encode_prompt
+
+HELD_OUT_EVERY = 20  # every 20th generated answer is held out of training
 
 
 def _pad_id(tokenizer) -> int:
@@ -203,3 +207,17 @@ def build_features(model, sequences: list[dict], root: Path, layers: tuple[int, 
             "prompt_lens": [s["prompt_len"] for s in sequences], "sources": [s["source"] for s in sequences]}
     (root / "meta.json").write_text(json.dumps(meta))
     return FeatureStore(root)
+
+
+# -- the held-out split -------------------------------------------------------------------------------
+
+
+def held_out_indices(sources: list[str], every: int = HELD_OUT_EVERY) -> set[int]:
+    """Indices of the held-out sequences, given each one's source: every `every`-th generated answer."""
+    return set([i for i, source in enumerate(sources) if source == "generated"][::every])
+
+
+def split(store: FeatureStore) -> tuple[list[int], list[int]]:
+    """(train, held-out): every HELD_OUT_EVERY-th generated answer is held out; documents all train."""
+    held = held_out_indices(store.sources)
+    return [i for i in range(len(store)) if i not in held], sorted(held)

@@ -1,0 +1,99 @@
+"""The held-out acceptance estimate: tau of one greedy draft per held-out anchor, without decoding.
+
+What training logs every --eval-every steps and what experiments.heldout prints: per anchor on the verifier's
+greedy chain, the accepted length of one draft of block_size - 1 tokens (a block drafter's, the AR baseline's
+or prompt lookup's) against the verifier's greedy continuation.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from drafters.prompt_lookup import lookup_draft
+from drafters.training.batches import anchor_candidates, ar_batch, block_batch, block_targets, to_device
+from drafters.training.models import ar_forward, block_forward
+
+
+def accepted_lengths(predicted: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Per anchor, how many leading predictions equal the (valid) targets: the greedy accepted length.
+
+    The block positions are the last dimension: [..., B-1] in, [...] out."""
+    hit = (predicted == targets) & valid
+    return hit.long().cumprod(dim=-1).sum(dim=-1)
+
+
+def held_out_anchors(store, held, per_seq: int, seed: int) -> list[tuple[int, np.ndarray]]:
+    """(sequence, sorted anchors): up to `per_seq` anchors drawn (seeded) in each held-out sequence."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in held:
+        cand = anchor_candidates(store.sequence(i))
+        if len(cand):
+            out.append((i, np.sort(rng.choice(cand, size=min(per_seq, len(cand)), replace=False))))
+    return out
+
+
+def greedy_block_drafts(model, embed, head, vocab, batch, passes: int = 1) -> torch.Tensor:
+    """Greedy drafts [S, A, B-1] (full-vocabulary ids) of a `block_batch`'s anchors after `passes` denoising passes,
+    each after the first with one more leading position fixed to the model's own prediction (what
+    `BlockDiffusionDrafter` drafts with threshold 1)."""
+    tokens, known = batch["tokens"].clone(), batch["known"].clone()
+    for fixed in range(1, passes + 1):
+        predicted = vocab[block_forward(model, embed, head, {**batch, "tokens": tokens, "known": known}).argmax(-1)]
+        if fixed == passes or fixed == tokens.shape[-1] - 1:
+            break
+        tokens[..., fixed], known[..., fixed] = predicted[..., fixed - 1], True
+    return torch.where(known[..., 1:], tokens[..., 1:], predicted)
+
+
+@torch.no_grad()
+def estimate_tau(arch, model, embed, head, store, anchors, vmap, vocab, block_size, device="cpu",
+                 chunk_size: int = 4, passes: int = 1) -> tuple[float, np.ndarray]:
+    """tau = 1 + mean accepted length of one greedy draft of block_size - 1 tokens per held-out anchor,
+    and the acceptance rate by block position (share of anchors whose first i drafts are all accepted).
+    A block drafter runs `passes` denoising passes, each after the first with one more leading position fixed
+    to its own prediction (`BlockDiffusionDrafter` with threshold 1)."""
+    model.eval()
+    lengths = []
+    vocab = vocab.to(device)
+    for start in range(0, len(anchors), chunk_size):
+        chunk = anchors[start : start + chunk_size]
+        if arch == "block":
+            batch = block_batch(store, [i for i, _ in chunk], None, max(len(a) for _, a in chunk), block_size, vmap,
+                                anchors=[a for _, a in chunk])
+            batch = to_device(batch, device)
+            predicted = greedy_block_drafts(model, embed, head, vocab, batch, passes)
+            got = accepted_lengths(predicted, batch["full_targets"], batch["valid"])
+            lengths += [got[r, : len(a)] for r, (_, a) in enumerate(chunk)]
+        else:
+            batch = to_device(ar_batch(store, [i for i, _ in chunk], vmap), device)
+            hit = (vocab[ar_forward(model, head, batch).argmax(-1)] == batch["full_targets"]) & batch["loss_mask"]
+            for r, (_, a) in enumerate(chunk):
+                # A teacher-forced AR pass scores every anchor at once: drafts from anchor a are accepted
+                # while its predictions at a, a+1, ... match (it would have fed exactly those tokens).
+                rows = (torch.from_numpy(a)[:, None] + torch.arange(block_size - 1)).to(device)
+                inside = rows < hit.shape[1]
+                got = hit[r, rows.clamp(max=hit.shape[1] - 1)] & inside
+                lengths.append(got.long().cumprod(1).sum(1))
+    model.train()
+    lengths = torch.cat(lengths).cpu().numpy()
+    by_position = np.array([(lengths >= i).mean() for i in range(1, block_size)])
+    return 1 + float(lengths.mean()), by_position
+
+
+def lookup_tau(store, anchors, block_size, ngrams=None, min_ngram: int = 1, store_min_n: int = 2, max_ngram: int = 3,
+               prefer_store: float | None = None) -> float:
+    """The same estimate for prompt lookup (n-gram min_ngram..max_ngram over prompt + answer so far; min_ngram = 0:
+    none), continued by the n-gram store `ngrams` if given (`lookup_draft`), for reference."""
+    lengths = []
+    for i, chosen in anchors:
+        s = store.sequence(i)
+        ids = torch.from_numpy(s["ids"].astype(np.int64))
+        for a in chosen:
+            draft, _ = lookup_draft(ids[: a + 1], min_ngram, max_ngram, block_size - 1, ngrams, store_min_n, prefer_store)
+            full, ok, _ = block_targets(s, np.array([a]), block_size)
+            k = len(draft)
+            hit = (draft.numpy() == full[0, :k]) & ok[0, :k]
+            lengths.append(int(np.cumprod(hit).sum()))
+    return 1 + float(np.mean(lengths))

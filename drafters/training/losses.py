@@ -1,0 +1,26 @@
+"""What training minimises: the distillation loss, weighted by block position."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def position_weights(block_size: int, gamma: float) -> torch.Tensor:
+    """exp(-(i-1)/gamma) for block positions i = 1..B-1: early positions decide acceptance, weigh them most."""
+    return torch.exp(-torch.arange(block_size - 1).float() / gamma)
+
+
+def distill_loss(logits, targets, soft_ids, soft_probs, weights, hard_weight: float = 0.5) -> torch.Tensor:
+    """Weighted mix of cross-entropy to the greedy target and to the verifier's top-k distribution.
+
+    logits [N, V'] over the draft vocabulary; targets [N] (index, -1 = outside V'); soft_ids [N, K]
+    (-1 = outside V') with soft_probs [N, K]; weights [N] (0 = not a valid position).
+    """
+    logp = F.log_softmax(logits.float(), dim=-1)
+    hard = -logp.gather(1, targets.clamp(min=0)[:, None])[:, 0] * (targets >= 0)
+    probs = soft_probs.float() * (soft_ids >= 0)
+    probs = probs / probs.sum(-1, keepdim=True).clamp(min=1e-6)
+    soft = -(probs * logp.gather(1, soft_ids.clamp(min=0))).sum(-1)
+    per_position = hard_weight * hard + (1 - hard_weight) * soft
+    return (per_position * weights).sum() / weights.sum().clamp(min=1e-6)

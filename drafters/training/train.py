@@ -1,0 +1,261 @@
+"""Train a drafter for a verifier by self-distillation, fully offline, resumable at every stage.
+
+    python -m drafters.training.train              # the CPU recipe: block-diffusion drafter, ~55 min on 2 cores
+    python -m drafters.training.train --arch ar    # the 1-layer AR baseline, same data and trainable budget
+    bash experiments/gpu_train.sh OUT              # the GPU recipe of the shipped checkpoint (these options, scaled)
+
+The shipped checkpoint (drafters/checkpoints/smollm2-135m-block) comes from the GPU recipe; its
+training.json records the command and what the run cost. Drafters go to --work-dir/{block,ar}-drafter
+unless --out says otherwise; copy a block drafter into drafters/checkpoints/ to ship it.
+
+Stages, each cached under --work-dir (a rerun skips what is done; delete a folder to redo it):
+  1. generate  the verifier answers --gen-shards x --gen-batch training prompts greedily (drafters.training.corpus,
+               plus --synthetic-prompts user turns sampled from the verifier);
+  2. features  one teacher-forced verifier pass over those answers and --doc-tokens of local documents
+               records the fused hidden states, greedy targets and top-k soft labels (drafters.training.distill);
+  3. train     --steps optimizer steps; a checkpoint every --save-every steps (resumed automatically),
+               a held-out acceptance estimate (tau of one-pass greedy drafting) every --eval-every steps
+               (batches, losses, models and the estimate are drafters.training's other modules).
+Seeded: the same command on the same data gives the same batches, resumed or not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from drafters.block_diffusion import BlockDiffusionConfig, frozen_verifier_parts
+from drafters.training.batches import VocabMap, ar_batch, block_batch, to_device
+from drafters.training.corpus import chat_prompts
+from drafters.training.distill import (FeatureStore, build_features, generate_shards, interleave, load_sequences, split,
+                                       synthetic_user_turns)
+from drafters.training.estimate import estimate_tau, held_out_anchors, lookup_tau
+from drafters.training.losses import distill_loss, position_weights
+from drafters.training.models import ar_forward, block_forward, export, initial_block_model, make_ar_model, trainable
+from verifiers.embedded import load_verifier
+
+DEFAULT_WORK_DIR = Path.home() / ".cache" / "hybrid" / "drafter"
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m drafters.training.train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--arch", choices=("block", "ar"), default="block", help="block-diffusion drafter or the 1-layer AR baseline")
+    p.add_argument("--work-dir", type=Path, default=DEFAULT_WORK_DIR, help="cache of generated data and features")
+    p.add_argument("--out", type=Path, default=None, help="where the trained drafter goes (default: WORK_DIR/ARCH-drafter)")
+    p.add_argument("--device", default="cpu", help="torch device for the verifier and the drafter (cpu, cuda, ...)")
+    p.add_argument("--gen-shards", type=int, default=13, help="batches of --gen-batch training prompts the verifier answers "
+                                                              "(-1: all of them)")
+    p.add_argument("--gen-batch", type=int, default=64, help="prompts per generation batch (and shard)")
+    p.add_argument("--gen-minutes", type=float, default=None, help="stop generating after this long (no limit by default)")
+    p.add_argument("--synthetic-prompts", type=int, default=0, help="user turns sampled from the verifier, added to the "
+                                                                    "templated prompts")
+    p.add_argument("--doc-tokens", type=int, default=30_000, help="tokens of local documents (stdlib, pydoc) to add")
+    p.add_argument("--feature-batch-tokens", type=int, default=4096, help="tokens per verifier pass in the features stage")
+    p.add_argument("--steps", type=int, default=1100)
+    p.add_argument("--minutes", type=float, default=None, help="set --steps from the step time measured over the first "
+                                                               "10 steps so training takes about this long")
+    p.add_argument("--seqs-per-step", type=int, default=4)
+    p.add_argument("--anchors-per-seq", type=int, default=96)
+    p.add_argument("--block-size", type=int, default=8, help="positions per block, anchor included")
+    p.add_argument("--layers", type=int, default=1, help="drafter layers (block arch)")
+    p.add_argument("--feature-input", action=argparse.BooleanOptionalAction, default=True,
+                   help="add the fused verifier feature before the anchor to every block input (block arch)")
+    p.add_argument("--context-tokens", action=argparse.BooleanOptionalAction, default=True,
+                   help="add each context token's embedding to its fused verifier feature (block arch)")
+    p.add_argument("--known-token-input", action=argparse.BooleanOptionalAction, default=False,
+                   help="masked positions read the nearest known token to their left, not always the anchor (block arch)")
+    p.add_argument("--init-from", type=Path, default=None,
+                   help="start from this block drafter checkpoint (its config, draft vocabulary and feature statistics; "
+                        "--known-token-input may switch that input on) instead of random weights")
+    p.add_argument("--draft-vocab", type=int, default=4096, help="size of the draft vocabulary (the head's rows)")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--gamma", type=float, default=2.0, help="position weight exp(-(i-1)/gamma)")
+    p.add_argument("--reveal-prob", type=float, default=0.2, help="share of blocks that see part of their answer")
+    p.add_argument("--save-every", type=int, default=25)
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--eval-seqs", type=int, default=256, help="held-out answers the tau estimate uses (8 anchors each)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    return p
+
+
+def training_prompts(args, verifier, tokenizer) -> tuple[list[str], str]:
+    """The prompts the verifier answers, and the name of the folder their answers go to."""
+    prompts = chat_prompts(args.seed)
+    if not args.synthetic_prompts:
+        # The name the CPU recipe has always used, so its cached answers stay valid.
+        return prompts, "generated" if args.gen_batch == 64 else f"generated-b{args.gen_batch}"
+    synthetic = synthetic_user_turns(verifier, tokenizer, args.synthetic_prompts,
+                                     args.work_dir / f"synthetic-prompts-{args.synthetic_prompts}-s{args.seed}.json",
+                                     batch_size=args.gen_batch, seed=args.seed)
+    return interleave(prompts, synthetic), f"generated-b{args.gen_batch}-syn{args.synthetic_prompts}"
+
+
+def main(argv=None) -> None:
+    args = parser().parse_args(argv)
+    if args.block_size < 2:
+        parser().error("--block-size must be >= 2")
+    if args.init_from and args.arch != "block":
+        parser().error("--init-from starts a block drafter from a checkpoint: use it with --arch block")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    verifier, tokenizer = load_verifier(args.device)
+    verifier.requires_grad_(False)
+    t_start = time.time()
+    # 1. generate
+    prompts, gen_name = training_prompts(args, verifier, tokenizer)
+    gen_dir = args.work_dir / gen_name
+    max_shards = None if args.gen_shards < 0 else args.gen_shards
+    generate_shards(verifier, tokenizer, prompts, gen_dir, minutes=float("inf") if args.gen_minutes is None else args.gen_minutes,
+                    batch_size=args.gen_batch, max_shards=max_shards)
+    shards = len(sorted(gen_dir.glob("gen-*.json"))[:max_shards])
+    # 2. features (the folder name says what they depend on)
+    layers = tuple(BlockDiffusionConfig.for_verifier(verifier).target_layers)
+    data = f"g{shards}" if gen_name == "generated" else f"{gen_name.removeprefix('generated-')}-g{shards}"
+    feature_dir = args.work_dir / f"features-{data}-d{args.doc_tokens}-l{'_'.join(map(str, layers))}"
+    if not (feature_dir / "meta.json").exists():
+        sequences = load_sequences(gen_dir, tokenizer, args.doc_tokens, max_shards=shards)
+        build_features(verifier, sequences, feature_dir, layers, batch_tokens=args.feature_batch_tokens)
+    # 3. train
+    out = args.out or args.work_dir / f"{args.arch}-drafter"
+    run_dir = args.work_dir / f"train-{args.arch}-{feature_dir.name}-{recipe_tag(args)}"
+    summary = train(args, verifier, FeatureStore(feature_dir), out, run_dir)
+    summary["command_wall_minutes_this_run"] = round((time.time() - t_start) / 60, 1)
+    print(f"done: {summary}; drafter in {out}")
+
+
+def recipe_tag(args) -> str:
+    """A short hash of what shapes the training run, so a resume never continues a different recipe."""
+    import hashlib
+
+    keys = ("arch", "seqs_per_step", "anchors_per_seq", "block_size", "layers", "feature_input", "context_tokens", "draft_vocab", "lr",
+            "gamma", "reveal_prob", "seed")
+    values = [getattr(args, k) for k in keys]
+    if args.known_token_input or args.init_from:  # recipes from before these options keep their tags (and resume)
+        values += [args.known_token_input, str(args.init_from)]
+    return f"s{args.seed}-" + hashlib.sha256(json.dumps(values).encode()).hexdigest()[:8]
+
+
+def train(args, verifier, store: FeatureStore, out: Path, run_dir: Path) -> dict:
+    """Stage 3: train (or resume) `args.arch` on `store`; export the drafter to `out`; return a summary."""
+    device = verifier.device
+    train_ids, held = split(store)
+    answer_tokens = sum(int(store.offsets[i + 1] - store.offsets[i] - store.prompt_lens[i]) for i in train_ids)
+    print(f"data: {len(train_ids)} training sequences ({answer_tokens} answer tokens), {len(held)} held out")
+    block_model = initial_block_model(args, verifier, store, train_ids)
+    config = block_model.config
+    vocab = block_model.draft_vocab.clone()
+    vmap = VocabMap(vocab, verifier.get_input_embeddings().weight.shape[0])
+    if device.type != "cpu" and args.arch == "block":
+        store.move_hidden(device)
+    embed, head = frozen_verifier_parts(verifier, vocab)
+    if args.arch == "block":
+        model = block_model
+    else:
+        model = make_ar_model(verifier, sum(p.numel() for p in trainable(block_model)))
+    model.to(device)
+    final_norm = getattr(verifier.base_model, "norm", None)
+    if final_norm is not None and not args.init_from:  # start the output norm where the verifier's is, so its frozen head reads it
+        (model.norm if args.arch == "block" else model.model.norm).weight.data.copy_(final_norm.weight.data)
+    params = trainable(model)
+    print(f"{args.arch} drafter: {sum(p.numel() for p in params) / 1e6:.2f} M trainable parameters")
+    optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    ckpt_path, log_path = run_dir / "checkpoint.pt", run_dir / "log.jsonl"
+    step, elapsed, planned = 0, 0.0, args.steps
+    if ckpt_path.exists():
+        state = torch.load(ckpt_path, weights_only=False, map_location=device)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        step, elapsed = state["step"], state["elapsed"]
+        if args.minutes is not None:  # the step count --minutes fixed when the run began
+            planned = state.get("planned_steps", args.steps)
+        print(f"resumed at step {step} of {planned} ({elapsed / 60:.1f} min of training so far)")
+    sizing = args.minutes is not None and step < 10  # --minutes: the step count is fixed once, after step 10
+    anchors = held_out_anchors(store, held[: args.eval_seqs], per_seq=8, seed=args.seed)
+    if not anchors:
+        raise ValueError("no held-out anchors (answers on the verifier's greedy chain): generate more data")
+    print(f"held-out: {sum(len(a) for _, a in anchors)} anchors; prompt lookup tau there "
+          f"{lookup_tau(store, anchors, config.block_size):.2f}")
+    weights = position_weights(config.block_size, args.gamma).to(device)
+    record = {}
+    model.train()
+    interactive = sys.stderr.isatty()
+    bar = tqdm(total=planned, initial=step, desc=f"train {args.arch}", dynamic_ncols=True, mininterval=0.1 if interactive else 30)
+    t0 = time.time() - elapsed
+    while step < planned:
+        rng = np.random.default_rng([args.seed, step])  # batches depend on (seed, step) only: resuming is exact
+        seqs = rng.choice(train_ids, size=min(args.seqs_per_step, len(train_ids)), replace=False)
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, planned, args.lr)
+        if args.arch == "block":
+            batch = to_device(block_batch(store, seqs, rng, args.anchors_per_seq, config.block_size, vmap, args.reveal_prob), device)
+            logits = block_forward(model, embed, head, batch)
+            w = batch["loss_mask"] * weights
+        else:
+            batch = to_device(ar_batch(store, seqs, vmap), device)
+            logits = ar_forward(model, head, batch)
+            w = batch["loss_mask"].float()
+        k = store.top_k
+        loss = distill_loss(logits.reshape(-1, logits.shape[-1]), batch["targets"].reshape(-1),
+                            batch["soft_ids"].reshape(-1, k), batch["soft_probs"].reshape(-1, k), w.reshape(-1).float())
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        step += 1
+        if sizing and step == 10:
+            # Warm-up lasts 50 steps, so the first 10 followed the same schedule whatever the total: the run equals
+            # a `--steps planned` run.
+            per_step = (time.time() - t0) / step
+            planned = max(step + 1, int(args.minutes * 60 / per_step))
+            bar.total = planned
+            tqdm.write(f"--minutes {args.minutes}: {per_step:.3f} s/step, so {planned} steps")
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss.item():.3f}", **({"tau": record["tau"]} if record else {}))
+        evaluated = step % args.eval_every == 0 or step == planned
+        if evaluated:
+            tau, by_pos = estimate_tau(args.arch, model, embed, head, store, anchors, vmap, vocab, config.block_size,
+                                       device, chunk_size=max(4, args.seqs_per_step))
+            record = {"tau": round(tau, 3), "accept_by_position": [round(float(x), 3) for x in by_pos]}
+            export(args.arch, model, out)
+            tqdm.write(f"step {step}: loss {loss.item():.3f}, held-out tau {tau:.2f}, accept by position "
+                       f"{record['accept_by_position'][:8]}")
+        if step % args.save_every == 0 or evaluated:
+            elapsed = time.time() - t0
+            tmp = ckpt_path.with_suffix(".tmp")
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+                        "elapsed": elapsed, "planned_steps": planned}, tmp)
+            tmp.rename(ckpt_path)
+            with log_path.open("a") as f:
+                f.write(json.dumps({"step": step, "loss": round(loss.item(), 4), "elapsed_s": round(elapsed),
+                                    **(record if evaluated else {})}) + "\n")
+    bar.close()
+    summary = {"arch": args.arch, "steps": step, "train_minutes": round((time.time() - t0) / 60, 1),
+               "answer_tokens": answer_tokens, "sequences": len(train_ids), "device": str(device),
+               "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+               "threads": torch.get_num_threads(), "command": "python -m drafters.training.train " + " ".join(sys.argv[1:]), **record}
+    if out.exists():
+        (out / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def lr_at(step: int, total: int, peak: float, warmup: int = 50) -> float:
+    """Linear warm-up, then cosine to 10% of peak."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+if __name__ == "__main__":
+    main()
