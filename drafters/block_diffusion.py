@@ -47,17 +47,6 @@ class BlockDiffusionConfig:
     rope_theta: float = 100000.0
     rms_norm_eps: float = 1e-5
     draft_vocab_size: int = 8192
-    # Add the fused verifier feature of the token before the anchor to every block input (EAGLE's input): the
-    # state that predicted the anchor is then in every position without an attention hop. Off in old checkpoints.
-    feature_input: bool = False
-    # Add each context token's own (normalised) embedding to its fused feature: the drafter then reads which token
-    # sits where as directly as an AR drafter does, which copying from the context needs. Off in old checkpoints.
-    context_tokens: bool = False
-    # A masked position takes the embedding of the nearest KNOWN token to its left and the mask embedding of its
-    # distance from it, instead of always the anchor's and its block index. A first pass is unchanged (only the
-    # anchor is known); once a pass or a lookup match fixes positions 1..j, position j+1 reads x_j at distance 1,
-    # as the first position reads the anchor. Off in old checkpoints.
-    known_token_input: bool = False
     verifier: dict = field(default_factory=dict)  # verifier_fingerprint() of the verifier it was trained for
 
     @classmethod
@@ -156,20 +145,24 @@ class DraftLayer(nn.Module):
 
 
 class BlockDiffusionModel(nn.Module):
-    """The trainable part: context fusion, a mask embedding, the layers and a final norm."""
+    """The trainable part: context fusion, a mask embedding, the layers and a final norm.
+
+    A context token's fused feature is its verifier states (fused) plus its own normalised embedding: the drafter
+    reads which token sits where as directly as an AR drafter does, which copying from the context needs. Every
+    block input gets the fused feature of the token before the anchor (EAGLE's input): the state that predicted
+    the anchor is then in every position without an attention hop.
+    """
 
     def __init__(self, config: BlockDiffusionConfig):
         super().__init__()
         c = self.config = config
         self.fuse = nn.Linear(len(c.target_layers) * c.hidden_size, c.hidden_size, bias=False)
         self.fuse_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        if c.context_tokens:
-            self.token_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.token_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         # One mask embedding per block position (plus the anchor's embedding, see block_inputs): with identical
         # inputs, masked positions could tell apart only through RoPE, which one layer does poorly.
         self.mask_embedding = nn.Parameter(torch.zeros(c.block_size, c.hidden_size))
-        if c.feature_input:
-            self.feature_gate = nn.Parameter(torch.ones(c.hidden_size))  # scales the fused feature to the embeddings'
+        self.feature_gate = nn.Parameter(torch.ones(c.hidden_size))  # scales the fused feature to the embeddings'
         self.layers = nn.ModuleList(DraftLayer(c) for _ in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.register_buffer("draft_vocab", torch.arange(c.draft_vocab_size), persistent=True)
@@ -182,35 +175,22 @@ class BlockDiffusionModel(nn.Module):
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, std=0.02)
 
-    def block_inputs(self, token_embeds: torch.Tensor, known: torch.Tensor, last_feature: torch.Tensor | None = None
-                     ) -> torch.Tensor:
-        """Inputs [..., B, hidden] of a block from its token embeddings [..., B, hidden] (anchor first) and `known`
-        [..., B]. Masked position i gets mask embedding i plus the anchor's embedding: every position then
-        knows the anchor without attending to it, which an AR layer gets for free and a 1-layer block model
-        otherwise learns slowly (with `config.known_token_input`: the nearest known token's and its distance's).
-        With `config.feature_input`, `last_feature` [..., hidden] (the fused feature of the token before the
-        anchor) is added to every position."""
-        size = token_embeds.shape[-2]
-        if self.config.known_token_input:
-            index = torch.arange(size, device=known.device)
-            nearest = torch.where(known, index, 0).cummax(dim=-1).values  # the nearest known position at or left of i
-            left = token_embeds.gather(-2, nearest[..., None].expand_as(token_embeds))
-            masked = self.mask_embedding[index - nearest].to(token_embeds.dtype) + left
-        else:
-            masked = self.mask_embedding[:size].to(token_embeds.dtype) + token_embeds[..., :1, :]
+    def block_inputs(self, token_embeds: torch.Tensor, known: torch.Tensor, last_feature: torch.Tensor) -> torch.Tensor:
+        """Inputs [..., B, hidden] of a block from its token embeddings [..., B, hidden] (anchor first), `known`
+        [..., B] and `last_feature` [..., hidden] (the fused feature of the token before the anchor), which is
+        added to every position. Masked position i gets mask embedding i plus the anchor's embedding: every
+        position then knows the anchor without attending to it, which an AR layer gets for free and a 1-layer
+        block model otherwise learns slowly."""
+        masked = self.mask_embedding[: token_embeds.shape[-2]].to(token_embeds.dtype) + token_embeds[..., :1, :]
         inputs = torch.where(known[..., None], token_embeds, masked)
-        if self.config.feature_input:
-            inputs = inputs + (self.feature_gate * last_feature)[..., None, :].to(inputs.dtype)
-        return inputs
+        return inputs + (self.feature_gate * last_feature)[..., None, :].to(inputs.dtype)
 
     def features(self, hidden_states: torch.Tensor, token_embeds: torch.Tensor) -> torch.Tensor:
         """Fused features [..., hidden] of verifier states [..., len(target_layers) * hidden] and the embeddings
-        [..., hidden] of the tokens they were computed at (used with `config.context_tokens`)."""
+        [..., hidden] of the tokens they were computed at."""
         x = (hidden_states.to(self.fuse.weight.dtype) - self.feature_shift) / self.feature_scale
         fused = self.fuse_norm(self.fuse(x.clamp(-FEATURE_CLIP, FEATURE_CLIP)))
-        if self.config.context_tokens:
-            fused = fused + self.token_norm(token_embeds.to(fused.dtype))
-        return fused
+        return fused + self.token_norm(token_embeds.to(fused.dtype))
 
     def context(self, features: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (keys, values) [S, kv_heads, n, d] of fused features [S, n, hidden] (see `features`)."""
@@ -365,10 +345,9 @@ class BlockDiffusionDrafter(Drafter):
         for ctx, block, known in zip(ctxs, blocks, knowns):
             committed = ctx.input_ids[0, ctx.num_padding :]
             n, states = self._sync_context(ctx, committed)
-            last = None
-            if self.model.config.feature_input:  # the fused feature of the token before the anchor (zeros if none)
-                last = (self.model.features(states[n - 1], self.embed(committed[n - 1])) if n
-                        else self.model.feature_gate.new_zeros(self.model.feature_gate.shape))
+            # The fused feature of the token before the anchor (zeros if none).
+            last = (self.model.features(states[n - 1], self.embed(committed[n - 1])) if n
+                    else self.model.feature_gate.new_zeros(self.model.feature_gate.shape))
             inputs.append(self.model.block_inputs(self.embed(block), known, last))
             lengths.append(n)
         cache, size = ctxs[0].verifier.cache, blocks.shape[1]

@@ -112,14 +112,11 @@ def perturbed_copy(model, scale: float, seed: int):
     return twin
 
 
-def random_block_drafter(model, seed: int, draft_vocab_size: int | None = None, block_size: int = 6,
-                         feature_input: bool = True, context_tokens: bool = True, known_token_input: bool = False, **kwargs):
+def random_block_drafter(model, seed: int, draft_vocab_size: int | None = None, block_size: int = 6, **kwargs):
     """A random-weight BlockDiffusionDrafter for `model`, its draft vocabulary a random subset of the verifier's."""
     vocab = model.config.vocab_size
     size = vocab if draft_vocab_size is None else draft_vocab_size
-    config = BlockDiffusionConfig.for_verifier(model, block_size=block_size, draft_vocab_size=size,
-                                               feature_input=feature_input, context_tokens=context_tokens,
-                                               known_token_input=known_token_input)
+    config = BlockDiffusionConfig.for_verifier(model, block_size=block_size, draft_vocab_size=size)
     torch.manual_seed(seed)
     drafter_model = BlockDiffusionModel(config)
     with torch.no_grad():
@@ -171,7 +168,7 @@ def drafters_for(draw, model, eos_token_id: int | None):
             model, seed, draft_vocab_size=draw(st.sampled_from([None, vocab // 2])), block_size=draw(st.integers(2, 9)),
             steps=draw(st.integers(1, 3)), threshold=draw(st.sampled_from([0.0, 0.5, 1.0])),
             lookup_ngram=lookup_ngram, lookup_tokens=draw(st.sampled_from([None, 3, 12])) if lookup_ngram or store else None,
-            known_token_input=draw(st.booleans()), ngram_store=store, store_min_n=draw(st.integers(1, 3)),
+            ngram_store=store, store_min_n=draw(st.integers(1, 3)),
             lookup_max_ngram=draw(st.sampled_from([3, 32])), prefer_store=draw(st.sampled_from([None, 0.5])) if store else None,
         )  # fmt: skip
     return None
