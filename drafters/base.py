@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import LogitsProcessorList
+
+if TYPE_CHECKING:
+    from verifiers.verifier import Verifier
 
 
 @dataclass
@@ -61,12 +65,24 @@ class DraftContext:
     do_sample:    whether the verifier samples (then drafters should sample too, and report probs).
     processors:   the very logits processors/warpers the verifier's scores go through.
     generator:    the random generator of this call (None: torch's global one).
-    verifier:     the `verifiers.Verifier`; `hidden_states()` gives the states of the layers the
-                  drafter asked for (`Drafter.hidden_layers`) for input_ids[:, num_padding:-1] (padding
-                  has no states), never beyond.
+    verifier:     the `verifiers.Verifier` whose cache holds this row (None: no verifier, so no states).
+                  A drafter reads it only through the methods below.
     row:          this sequence's row in the verifier's batch.
     steps:        denoising passes the scheduler chose for this step (1..`Drafter.max_steps`); None
                   outside the engine (then a drafter uses its own setting).
+
+    What a drafter may read of the verifier and keep beside it:
+        hidden_states():   the states of the layers it asked for (`Drafter.hidden_layers`) for
+                           input_ids[:, num_padding:-1] (padding has no states), never beyond.
+        side_buffer(name, per_token, dtype, device): its own per-token state [rows, capacity, *per_token]
+                           in the verifier's cache, slot p for position p, allocated on first use; row r's
+                           slots 0 .. side_length(name) - 1 are valid for ctx.row = r. A rollback cuts that
+                           length back, finished rows leave it, and it grows with the cache, all as the
+                           verifier's own keys/values: a drafter only writes the slots it computes and calls
+                           mark_computed(name, n). Fetch it each draft (growth replaces the tensor).
+        static:            whether the verifier runs the static-shape path (one shape at every step: a
+                           drafter's forward should read all `capacity` slots through a mask then).
+        compiled(module):  `module` compiled as the verifier's step is (static path), or `module` itself.
     """
 
     input_ids: torch.Tensor
@@ -74,12 +90,37 @@ class DraftContext:
     do_sample: bool
     processors: LogitsProcessorList
     generator: torch.Generator | None
-    verifier: object
+    verifier: Verifier | None
     row: int = 0
     steps: int | None = None
 
     def hidden_states(self) -> torch.Tensor | None:
-        return self.verifier.hidden_states(self.row)
+        """[1, n, len(hidden_layers) * hidden] for the committed tokens but the last (None: none kept)."""
+        return None if self.verifier is None else self.verifier.hidden_states(self.row)
+
+    def side_buffer(self, name: str, per_token: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+        """The per-token side buffer `name` of every row of the batch, [rows, capacity, *per_token] (see above)."""
+        return self._cache().side_buffer(name, per_token, dtype, device)
+
+    def side_length(self, name: str) -> int:
+        """Tokens of this row whose state side buffer `name` holds (0 before the first `mark_computed`)."""
+        return self._cache().side_length(name, self.row)
+
+    def mark_computed(self, name: str, length: int) -> None:
+        """Side buffer `name` now holds this row's state for its first `length` tokens (at most the cached ones)."""
+        self._cache().mark_computed(name, self.row, length)
+
+    @property
+    def static(self) -> bool:
+        return self.verifier is not None and self.verifier.static
+
+    def compiled(self, module):
+        return module if self.verifier is None else self.verifier.compiled(module)
+
+    def _cache(self):
+        if self.verifier is None or self.verifier.cache is None:
+            raise ValueError("this context has no verifier cache to keep side state in: draft through hybrid.generate")
+        return self.verifier.cache
 
     def choose(self, logits: torch.Tensor, prefix_ids: torch.Tensor) -> tuple[int, torch.Tensor]:
         """Pick a draft token from a drafter's logits [vocab] at the position after `prefix_ids` [1, m].

@@ -9,8 +9,9 @@ visibility (drafters.train). The token embedding and LM head are the verifier's 
 the head is restricted to a draft vocabulary (the tokens the verifier actually emits), which makes
 training and drafting cheaper and keeps both in the same space.
 
-Only the projected context keys/values are cached, one row per committed token; a rollback of the
-verifier is a rollback of this cache (rows are dropped where the committed tokens changed).
+Only the projected context keys/values are cached, one slot per committed token, in a side buffer of the
+verifier's cache (`DraftContext.side_buffer`): a rollback of the verifier is a rollback of it (slots are
+recomputed where the committed tokens changed).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from torch import nn
 from drafters.base import Draft, DraftContext, Drafter, check_same_verifier
 from drafters.ngram_store import NgramStore, check_store_fits
 from drafters.prompt_lookup import check_prefer_store, lookup_draft
+CONTEXT = "block-context"  # the side buffer of the projected context keys/values
 
 CONFIG_NAME = "drafter_config.json"
 FEATURE_CLIP = 8.0
@@ -305,12 +307,12 @@ class BlockDiffusionDrafter(Drafter):
 
     # -- drafting ---------------------------------------------------------------------------------
 
-    def _buffers(self, cache) -> list[torch.Tensor]:
-        """Per drafter layer, the projected context keys/values of every row, [rows, capacity, 2, kv_heads, d],
-        kept in the verifier's shared cache (a rollback cuts them back with the verifier's own)."""
+    def _context(self, ctx: DraftContext) -> torch.Tensor:
+        """The projected context keys/values of every row, [rows, capacity, layers, 2, kv_heads, d], a side buffer
+        of the verifier's cache (a rollback cuts it back with the verifier's own)."""
         c = self.model.config
-        return [cache.drafter_buffer(f"block-context-{i}", (2, c.num_kv_heads, c.head_dim), self.model.norm.weight.dtype,
-                                     self.device) for i in range(c.num_layers)]  # fmt: skip
+        return ctx.side_buffer(CONTEXT, (c.num_layers, 2, c.num_kv_heads, c.head_dim), self.model.norm.weight.dtype,
+                               self.device)  # fmt: skip
 
     def _sync_context(self, ctx: DraftContext, committed: torch.Tensor) -> tuple[int, torch.Tensor]:
         """Bring this row's projected context up to the verifier states of committed[:-1]; return its length n
@@ -322,14 +324,14 @@ class BlockDiffusionDrafter(Drafter):
         n = committed.shape[0] - 1
         if states.shape[0] != n:
             raise ValueError(f"verifier has states for {states.shape[0]} tokens, expected {n} (committed minus the anchor)")
-        cache, row = ctx.verifier.cache, ctx.row
-        done = cache.drafter_lengths[row]
+        done = ctx.side_length(CONTEXT)
         if done < n:
             positions = torch.arange(done, n, device=states.device)[None]
             features = self.model.features(states[None, done:n], self.embed(committed[None, done:n]))
-            for buffer, (k, v) in zip(self._buffers(cache), self.model.context(features, positions)):
-                buffer[row, done:n] = torch.stack([k[0], v[0]]).permute(2, 0, 1, 3)  # [n, 2, kv_heads, d]
-            cache.drafter_computed(row, n)
+            context = self.model.context(features, positions)  # per layer [1, kv_heads, n - done, d] twice
+            rows = torch.stack([torch.stack([k[0], v[0]]) for k, v in context])  # [layers, 2, kv_heads, n - done, d]
+            self._context(ctx)[ctx.row, done:n] = rows.permute(3, 0, 1, 2, 4)
+            ctx.mark_computed(CONTEXT, n)
         return n, states
 
     @torch.inference_mode()
@@ -340,7 +342,7 @@ class BlockDiffusionDrafter(Drafter):
     @torch.inference_mode()
     def block_logits_rows(self, ctxs: list[DraftContext], blocks: torch.Tensor, knowns: torch.Tensor) -> torch.Tensor:
         """`block_logits` of several rows of one batch [R, B - 1, V'], in one forward of the block model: row r's
-        context is its first n_r slots of the shared buffers; slots past a row's length are masked."""
+        context is its first n_r slots of the side buffer; slots past a row's length are masked."""
         inputs, lengths = [], []
         for ctx, block, known in zip(ctxs, blocks, knowns):
             committed = ctx.input_ids[0, ctx.num_padding :]
@@ -350,21 +352,22 @@ class BlockDiffusionDrafter(Drafter):
                     else self.model.feature_gate.new_zeros(self.model.feature_gate.shape))
             inputs.append(self.model.block_inputs(self.embed(block), known, last))
             lengths.append(n)
-        cache, size = ctxs[0].verifier.cache, blocks.shape[1]
-        slots = cache.capacity if cache.static else max(lengths)  # static: one shape at every step
+        static, size, buffer = ctxs[0].static, blocks.shape[1], self._context(ctxs[0])
+        slots = buffer.shape[1] if static else max(lengths)  # static: every slot, one shape at every step
         rows = [ctx.row for ctx in ctxs]
         # One row (always at batch 1) is a view, no copy; several are gathered.
         pick = slice(rows[0], rows[0] + 1) if len(rows) == 1 else torch.tensor(rows, device=self.device)
-        picked = [b[pick, :slots] for b in self._buffers(cache)]  # [R, slots, 2, kv_heads, d]
-        context = [(p[:, :, 0].transpose(1, 2), p[:, :, 1].transpose(1, 2)) for p in picked]
+        picked = buffer[pick, :slots]  # [R, slots, layers, 2, kv_heads, d]
+        context = [(picked[:, :, i, 0].transpose(1, 2), picked[:, :, i, 1].transpose(1, 2))
+                   for i in range(picked.shape[2])]  # fmt: skip
         n = torch.tensor(lengths, device=self.device)
         positions = n[:, None] + torch.arange(size, device=self.device)
         forward, mask = self.model, None
-        if cache.static or len(set(lengths)) > 1:  # [context slots ; block]: a row sees its own n slots and the block
+        if static or len(set(lengths)) > 1:  # [context slots ; block]: a row sees its own n slots and the block
             keys = torch.arange(slots + size, device=self.device)
             mask = ((keys < n[:, None]) | (keys >= slots))[:, None, None, :].expand(-1, 1, size, -1)
-        if cache.static:
-            forward = ctxs[0].verifier.compiled(self.model)
+        if static:
+            forward = ctxs[0].compiled(self.model)
             if forward is not self.model:  # the last pass's output is consumed: CUDA graphs may reuse it
                 torch.compiler.cudagraph_mark_step_begin()
         hidden = forward(torch.stack(inputs).to(self.model.norm.weight.dtype), positions, context, mask)

@@ -11,7 +11,7 @@ import torch
 from transformers import LogitsProcessorList
 
 from drafters import BlockDiffusionDrafter, DraftContext
-from drafters.block_diffusion import CONFIG_NAME, WEIGHTS_NAME, frozen_verifier_parts, load_model
+from drafters.block_diffusion import CONFIG_NAME, CONTEXT, WEIGHTS_NAME, frozen_verifier_parts, load_model
 from drafters.distill import build_features
 from drafters.train import block_batch, block_forward, greedy_block_drafts, parser, train
 from drafters.train import main as train_main
@@ -88,8 +88,8 @@ def test_a_block_never_sees_later_context_or_other_blocks(world):
 
 
 def test_context_rows_follow_a_rollback(world):
-    """The drafter's projected context lives in the verifier's shared cache: a rollback cuts it back with
-    the verifier's rows, so after continuing differently the drafter recomputes exactly the rows whose
+    """The drafter's projected context is a side buffer of the verifier's shared cache: a rollback cuts it back
+    with the verifier's rows, so after continuing differently the drafter recomputes exactly the rows whose
     tokens changed and computes what a fresh verifier and drafter compute."""
     verifier, drafter, store = world
     ids = torch.tensor(store.sequence(1)["ids"], dtype=torch.long)
@@ -104,13 +104,13 @@ def test_context_rows_follow_a_rollback(world):
     v = Verifier(verifier, hidden_layers=drafter.hidden_layers)
     v.prefill(ids[None, :24], None, capacity=64)
     drafter.block_logits(DraftContext(ids[None, :25], 0, False, LogitsProcessorList(), None, v), *block_for(ids, 24))
-    assert v.cache.drafter_lengths == [24]
+    assert v.cache.side_lengths[CONTEXT] == [24]
     v.rollback(24 - 15)  # back to ids[:15], which other shares
-    assert v.cache.drafter_lengths == [15]
+    assert v.cache.side_lengths[CONTEXT] == [15]
     v.verify(other[None, 15:22])
     ctx = DraftContext(other[None, :23], 0, False, LogitsProcessorList(), None, v)
     reused = drafter.block_logits(ctx, *block_for(other, 22))
-    assert v.cache.drafter_lengths == [22]
+    assert v.cache.side_lengths[CONTEXT] == [22]
     torch.testing.assert_close(reused, drafting_logits(verifier, drafter, other, 22))
 
 

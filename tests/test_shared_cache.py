@@ -57,6 +57,33 @@ def test_rollback_leaves_every_row_equal_to_a_fresh_prefill(data):
         torch.testing.assert_close(logits[b], out.logits[0, -1].float(), atol=1e-4, rtol=1e-4)
 
 
+def test_side_buffers_roll_back_leave_and_grow_with_the_rows():
+    """A side buffer's valid length per row is cut back by a rollback, follows the rows a batch keeps and survives
+    growth with its contents, as the keys/values do; the kept hidden states are one, valid for every cached token."""
+    verifier = Verifier(tiny_model("llama", 48, 1, seed=0), hidden_layers=(1,))
+    verifier.prefill_rows([torch.tensor([1, 2, 3]), torch.tensor([4, 5])], capacity=4)
+    cache = verifier.cache
+    buffer = cache.side_buffer("state", (2,), torch.float32, "cpu")
+    assert buffer.shape == (2, 4, 2) and [cache.side_length("state", r) for r in (0, 1)] == [0, 0]
+    buffer[0, :3], buffer[1, :2] = 1.0, 2.0
+    cache.mark_computed("state", 0, 3)
+    cache.mark_computed("state", 1, 2)
+    with pytest.raises(ValueError, match="side state 'state' for 3 tokens of row 1, which caches 2"):
+        cache.mark_computed("state", 1, 3)
+    with pytest.raises(ValueError, match="side buffer 'state' holds"):
+        cache.side_buffer("state", (3,), torch.float32, "cpu")
+    verifier.verify_rows(torch.tensor([[6, 7, 8], [9, 10, 11]]))  # 6 slots needed: the buffers grow
+    grown = cache.side_buffer("state", (2,), torch.float32, "cpu")
+    assert grown.shape[1] == cache.capacity > 4 and bool((grown[0, :3] == 1).all()) and bool((grown[1, :2] == 2).all())
+    assert cache.side_lengths == {"hidden": [6, 5], "state": [3, 2]}
+    verifier.rollback_rows([4, 1])
+    assert cache.lengths == [2, 4] and cache.side_lengths == {"hidden": [2, 4], "state": [2, 2]}
+    assert verifier.hidden_states(1).shape == (1, 4, 32)
+    verifier.select_rows([1])
+    assert cache.side_lengths == {"hidden": [4], "state": [2]}
+    assert bool((cache.side_buffer("state", (2,), torch.float32, "cpu")[0, :2] == 2).all())
+
+
 @PROPERTY
 @given(data=st.data())
 def test_finished_rows_stop_costing_work(data):
