@@ -138,6 +138,9 @@ class DraftContext:
 class Drafter:
     """Base class for drafters. Subclass it and implement `propose`; override `reset` if you keep state.
 
+    A drafter that can continue tokens proposed before it (in a `drafters.ChainDrafter`, after a lookup)
+    overrides `fill`; the default continues nothing.
+
     Class attributes a subclass may set:
         vocab_size:    the vocabulary its token ids index; checked against the verifier's (None: any).
         tokenizer:     its tokenizer, if known; checked against the tokenizer passed to `generate`.
@@ -173,6 +176,20 @@ class Drafter:
         asked by the engine on the drafter passed to `generate`. The default asks each row on its own; a drafter
         whose model can serve the rows in one forward overrides it (`BlockDiffusionDrafter` does)."""
         return [drafter.propose(ctx, k) for drafter, ctx, k in zip(drafters, ctxs, max_tokens)]
+
+    def fill(self, ctx: DraftContext, given: Draft, max_tokens: int) -> Draft:
+        """A draft of at most `max_tokens` tokens that starts with `given`, tokens another drafter proposed to
+        follow `ctx.input_ids` (0 <= len(given) < max_tokens <= max_draft_len). Given tokens stay as they are,
+        with their probs (None: deterministic) and confidences; the default adds none after them."""
+        return self.propose(ctx, max_tokens) if len(given) == 0 else given
+
+    def fill_rows(self, drafters: list[Drafter], ctxs: list[DraftContext], givens: list[Draft],
+                  max_tokens: list[int]) -> list[Draft]:
+        """`fill` for several rows of a batch, as `propose_rows` is `propose`'s (rows given nothing at all go through
+        `propose_rows`, so a drafter that batches there batches here; else each row on its own, in row order)."""
+        if not any(len(given) for given in givens):
+            return self.propose_rows(drafters, ctxs, max_tokens)
+        return [drafter.fill(ctx, given, k) for drafter, ctx, given, k in zip(drafters, ctxs, givens, max_tokens)]
 
 
 def common_prefix_length(a: torch.Tensor, b: torch.Tensor) -> int:

@@ -27,11 +27,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from drafters.base import Draft, DraftContext, Drafter, check_same_verifier
-from drafters.ngram_store import NgramStore, check_store_fits
-from drafters.prompt_lookup import check_prefer_store, lookup_draft
-CONTEXT = "block-context"  # the side buffer of the projected context keys/values
 
 CONFIG_NAME = "drafter_config.json"
+CONTEXT = "block-context"  # the side buffer of the projected context keys/values
 FEATURE_CLIP = 8.0
 WEIGHTS_NAME = "model.safetensors"
 
@@ -225,29 +223,21 @@ class BlockDiffusionDrafter(Drafter):
     Args:
         model: the trained `BlockDiffusionModel`.
         verifier: the verifier model (its embedding and head are used; its fingerprint must match).
+        tokenizer: the verifier's tokenizer, if known (checked against the one passed to `generate`).
         steps: the most denoising passes per draft (1 = one parallel pass); the scheduler chooses
             1..steps each step (`ctx.steps`; the default scheduler learns which pays). With more, each pass fixes the
             longest run of leading still-masked positions whose confidence is >= `threshold` (at least
             one) and re-predicts the rest with them as input. Fixing a left-to-right prefix keeps
             rejection sampling exact: every token is drawn given only tokens to its left.
+        threshold: see `steps`.
         block_size: positions per block at run time (anchor included), 2..the trained block size.
-        lookup_ngram: if > 0, an n-gram match of at least this length in the context (prompt lookup)
-            supplies the first block positions; the model fills in the rest given them. 0 turns it off.
-        lookup_tokens: the most tokens a lookup match may propose (default: the block's block_size - 1). A match
-            longer than the block is proposed whole, past the block: the verifier's answers repeat long spans
-            (docstrings, code), which a block of 8 would cut.
-        lookup_max_ngram: the longest context match looked for (the longest match wins, see `lookup_continuation`).
-        ngram_store: an `NgramStore` (or its folder) of the verifier's own training answers. After the context
-            match (or where there is none), it continues the lookup tokens with what the verifier most often said
-            next after the last n-gram (n >= `store_min_n`), up to `lookup_tokens`; the model fills the rest.
-        prefer_store: if set, a context match of one token gives way to the store's own continuation when the
-            store's first token has at least this share (`lookup_draft`).
+
+    `fill` drafts the rest of a block whose first positions another drafter gave (a lookup match, in a
+    `drafters.ChainDrafter`): the model reads them as known positions, as a later denoising pass does.
     """
 
     def __init__(self, model: BlockDiffusionModel, verifier, tokenizer=None, steps: int = 1, threshold: float = 0.9,
-                 block_size: int | None = None, lookup_ngram: int = 0, lookup_tokens: int | None = None,
-                 ngram_store: NgramStore | str | Path | None = None, store_min_n: int = 2, lookup_max_ngram: int = 3,
-                 prefer_store: float | None = None):
+                 block_size: int | None = None):
         c = model.config
         block_size = c.block_size if block_size is None else block_size
         if not 2 <= block_size <= c.block_size:
@@ -256,20 +246,7 @@ class BlockDiffusionDrafter(Drafter):
             raise ValueError(f"steps must be >= 1, got {steps}")
         if not 0.0 <= threshold <= 1.0:
             raise ValueError(f"threshold must be in [0, 1], got {threshold}")
-        if lookup_ngram < 0:
-            raise ValueError(f"lookup_ngram must be >= 0, got {lookup_ngram}")
-        if lookup_tokens is not None and not lookup_ngram and ngram_store is None:
-            raise ValueError("lookup_tokens needs lookup_ngram >= 1 or an ngram_store (it caps what lookup proposes)")
-        if lookup_max_ngram < max(lookup_ngram, 1):
-            raise ValueError(f"lookup_max_ngram must be >= max(lookup_ngram, 1) = {max(lookup_ngram, 1)}, got {lookup_max_ngram}")
-        check_prefer_store(prefer_store, ngram_store)
-        lookup_tokens = block_size - 1 if lookup_tokens is None else lookup_tokens
-        if lookup_tokens < 1:
-            raise ValueError(f"lookup_tokens must be >= 1, got {lookup_tokens}")
         check_fingerprint(c.verifier, verifier_fingerprint(verifier))
-        ngram_store = NgramStore.load(ngram_store, store_min_n)
-        if ngram_store is not None:
-            check_store_fits(ngram_store, c.verifier)
         # On the device of the verifier's head, i.e. its last layer when device_map spreads it over GPUs.
         self.device = verifier.get_output_embeddings().weight.device
         self.model = model.to(self.device).eval()
@@ -277,20 +254,11 @@ class BlockDiffusionDrafter(Drafter):
         self.vocab_size = verifier.get_input_embeddings().weight.shape[0]
         self.tokenizer = tokenizer
         self.hidden_layers = tuple(c.target_layers)
-        self.block_size, self.max_draft_len = block_size, max(block_size - 1, lookup_tokens)
-        self.steps, self.threshold, self.lookup_ngram, self.lookup_tokens = steps, threshold, lookup_ngram, lookup_tokens
-        self.ngram_store, self.store_min_n = ngram_store, store_min_n
-        self.lookup_max_ngram, self.prefer_store = lookup_max_ngram, prefer_store
-        self.max_steps = steps
+        self.block_size, self.max_draft_len = block_size, block_size - 1
+        self.steps, self.threshold, self.max_steps = steps, threshold, steps
         weights = hashlib.sha256(b"".join(t.detach().cpu().float().numpy().tobytes() for t in model.state_dict().values()))
         # Schedulers keep acceptance statistics per drafter: another checkpoint or setting is another drafter.
-        self.fingerprint = f"{weights.hexdigest()[:12]}:b{block_size}:s{steps}:t{threshold}:l{lookup_ngram}"
-        if lookup_tokens != block_size - 1:  # matches past the block are another drafter; the default keeps its name
-            self.fingerprint += f":lt{lookup_tokens}"
-        if ngram_store is not None:
-            self.fingerprint += f":ng{ngram_store.digest()}:n{store_min_n}"
-        if lookup_max_ngram != 3 or prefer_store is not None:
-            self.fingerprint += f":m{lookup_max_ngram}:p{prefer_store}"
+        self.fingerprint = f"{weights.hexdigest()[:12]}:b{block_size}:s{steps}:t{threshold}"
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """The verifier's embedding of `ids`, on the drafter's device (the embedding may live on another GPU)."""
@@ -373,47 +341,51 @@ class BlockDiffusionDrafter(Drafter):
         hidden = forward(torch.stack(inputs).to(self.model.norm.weight.dtype), positions, context, mask)
         return (hidden[:, 1:] @ self.head.T.to(hidden.dtype)).float()
 
-    def _start(self, ctx: DraftContext, max_tokens: int) -> Draft | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """What needs no model: the Draft when lookup fills the block, else (block [B], known [B], the given
-        tokens' confidences [B - 1]) to denoise."""
+    def _start(self, ctx: DraftContext, given: Draft) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(block [B], known [B], the given tokens' confidences [B - 1]) of a block whose first positions are `given`."""
         committed = ctx.input_ids[0, ctx.num_padding :]
-        size = self.block_size
+        size, m = self.block_size, len(given)
         block = committed.new_zeros(size)
         block[0] = committed[-1]
         known = torch.zeros(size, dtype=torch.bool, device=block.device)
-        known[0] = True
+        known[: 1 + m] = True
+        block[1 : 1 + m] = given.tokens
         given_confidence = torch.zeros(size - 1)  # for positions fixed before the last pass
-        found, found_confidence = self.lookup(committed)
-        if found.shape[0] >= size - 1:  # lookup fills the block (or runs past it): nothing left to denoise
-            return Draft(found[:max_tokens].to(ctx.input_ids.device), None, found_confidence[:max_tokens])
-        block[1 : 1 + found.shape[0]] = found
-        known[1 : 1 + found.shape[0]] = True
-        given_confidence[: found.shape[0]] = found_confidence
+        if given.confidence is not None:
+            given_confidence[:m] = given.confidence
         return block, known, given_confidence
 
-    @torch.inference_mode()
+    def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
+        return self.fill(ctx, Draft.empty(ctx.input_ids.device), max_tokens)
+
     def propose_rows(self, drafters: list[Drafter], ctxs: list[DraftContext], max_tokens: list[int]) -> list[Draft]:
-        """With one denoising pass, the rows the lookup does not fill share one forward of the block model (lookup and
-        the choice of tokens stay per row, in row order, so a sampled batch draws as row-by-row drafting does)."""
-        passes = {self.steps if ctx.steps is None else min(ctx.steps, self.steps) for ctx in ctxs}
-        if len(ctxs) == 1 or passes != {1}:
+        if not self._one_forward(ctxs):
             return super().propose_rows(drafters, ctxs, max_tokens)
-        drafts = [drafter._start(ctx, k) for drafter, ctx, k in zip(drafters, ctxs, max_tokens)]
-        todo = [r for r, d in enumerate(drafts) if not isinstance(d, Draft)]
-        if todo:
-            logits = self.block_logits_rows([ctxs[r] for r in todo], torch.stack([drafts[r][0] for r in todo]),
-                                            torch.stack([drafts[r][1] for r in todo]))  # fmt: skip
-            for i, r in enumerate(todo):
-                block, known, given_confidence = drafts[r]
-                drafts[r] = drafters[r]._choose(ctxs[r], logits[i], block, known, given_confidence, max_tokens[r])
-        return drafts
+        return self._fill_together(drafters, ctxs, [Draft.empty(ctx.input_ids.device) for ctx in ctxs], max_tokens)
+
+    def fill_rows(self, drafters: list[Drafter], ctxs: list[DraftContext], givens: list[Draft],
+                  max_tokens: list[int]) -> list[Draft]:
+        if not self._one_forward(ctxs):
+            return super().fill_rows(drafters, ctxs, givens, max_tokens)
+        return self._fill_together(drafters, ctxs, givens, max_tokens)
+
+    def _one_forward(self, ctxs: list[DraftContext]) -> bool:
+        """Whether rows draft together: with one denoising pass, the rows of a batch share one forward of the block
+        model (the choice of tokens stays per row, in row order, so a sampled batch draws as row-by-row drafting)."""
+        passes = {self.steps if ctx.steps is None else min(ctx.steps, self.steps) for ctx in ctxs}
+        return len(ctxs) > 1 and passes == {1}
 
     @torch.inference_mode()
-    def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
-        start = self._start(ctx, max_tokens)
-        if isinstance(start, Draft):
-            return start
-        block, known, given_confidence = start
+    def _fill_together(self, drafters: list[Drafter], ctxs: list[DraftContext], givens: list[Draft],
+                       max_tokens: list[int]) -> list[Draft]:
+        starts = [drafter._start(ctx, given) for drafter, ctx, given in zip(drafters, ctxs, givens)]
+        logits = self.block_logits_rows(ctxs, torch.stack([s[0] for s in starts]), torch.stack([s[1] for s in starts]))
+        return [drafter._choose(ctx, row_logits, *start, given, k)
+                for drafter, ctx, row_logits, start, given, k in zip(drafters, ctxs, logits, starts, givens, max_tokens)]
+
+    @torch.inference_mode()
+    def fill(self, ctx: DraftContext, given: Draft, max_tokens: int) -> Draft:
+        block, known, given_confidence = self._start(ctx, given)
         size = self.block_size
         steps = self.steps if ctx.steps is None else min(ctx.steps, self.steps)
         for step in range(steps):
@@ -429,15 +401,11 @@ class BlockDiffusionDrafter(Drafter):
             block[1 + first : 1 + run] = self.model.draft_vocab[best[first:run]].to(block.dtype)
             known[1 + first : 1 + run] = True
             given_confidence[first:run] = confidence[first:run].cpu()
-        return self._choose(ctx, logits, block, known, given_confidence, max_tokens)
+        return self._choose(ctx, logits, block, known, given_confidence, given, max_tokens)
 
-    def lookup(self, committed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(tokens, confidences) that need no model: a match in the context continued by the n-gram store."""
-        return lookup_draft(committed, self.lookup_ngram, self.lookup_max_ngram, self.lookup_tokens, self.ngram_store,
-                            self.store_min_n, self.prefer_store)
-
-    def _choose(self, ctx, logits, block, known, given_confidence, max_tokens) -> Draft:
-        """Tokens for the first `max_tokens` draft positions: given ones as they are, the rest chosen from logits."""
+    def _choose(self, ctx, logits, block, known, given_confidence, given, max_tokens) -> Draft:
+        """Tokens for the first `max_tokens` draft positions: known ones as they are (the given ones with their
+        probs), the rest chosen from logits."""
         vocab = self.model.draft_vocab
         k = min(max_tokens, self.block_size - 1)
         if not ctx.do_sample and not ctx.processors:  # outside the draft vocabulary the logits are -inf: top-1 over it is the whole answer
@@ -451,10 +419,13 @@ class BlockDiffusionDrafter(Drafter):
         for i in range(k):
             full = logits.new_full((self.vocab_size,), -math.inf)
             full[vocab] = logits[i]
-            if bool(known[i + 1]):  # given (lookup or an earlier pass): a deterministic proposal
+            if bool(known[i + 1]):  # given or fixed by an earlier pass: as it is
                 token = int(block[i + 1])
-                q = torch.zeros_like(full)
-                q[token] = 1.0
+                if i < len(given) and given.probs is not None:  # the distribution the giver drew it from
+                    q = given.probs[i].to(full.device, full.dtype)
+                else:  # a deterministic proposal
+                    q = torch.zeros_like(full)
+                    q[token] = 1.0
                 conf = float(given_confidence[i])
             else:
                 token, q = ctx.choose(full, prefix)

@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from drafters import BlockDiffusionDrafter, Draft, DraftContext, Drafter, ModelDrafter, PromptLookupDrafter
+from drafters import (BlockDiffusionDrafter, ChainDrafter, Draft, DraftContext, Drafter, ModelDrafter,
+                      PromptLookupDrafter)
 from drafters.block_diffusion import BlockDiffusionConfig, BlockDiffusionModel, verifier_fingerprint
 from drafters.ngram_store import NgramStore
 from schedulers import ConfidenceScheduler, CostAwareScheduler, FixedScheduler, HeuristicScheduler
@@ -112,8 +113,12 @@ def perturbed_copy(model, scale: float, seed: int):
     return twin
 
 
-def random_block_drafter(model, seed: int, draft_vocab_size: int | None = None, block_size: int = 6, **kwargs):
-    """A random-weight BlockDiffusionDrafter for `model`, its draft vocabulary a random subset of the verifier's."""
+def random_block_drafter(model, seed: int, draft_vocab_size: int | None = None, block_size: int = 6,
+                         lookup_ngram: int = 0, lookup_tokens: int | None = None, ngram_store: NgramStore | None = None,
+                         store_min_n: int = 2, lookup_max_ngram: int = 3, prefer_store: float | None = None, **kwargs):
+    """A random-weight BlockDiffusionDrafter for `model` (`kwargs` are its own), its draft vocabulary a random subset
+    of the verifier's. With `lookup_ngram` >= 1 or an `ngram_store`, the ChainDrafter of a PromptLookupDrafter
+    (min_ngram=lookup_ngram, max_ngram=lookup_max_ngram, up to `lookup_tokens`, by default the block's) and it."""
     vocab = model.config.vocab_size
     size = vocab if draft_vocab_size is None else draft_vocab_size
     config = BlockDiffusionConfig.for_verifier(model, block_size=block_size, draft_vocab_size=size)
@@ -122,7 +127,14 @@ def random_block_drafter(model, seed: int, draft_vocab_size: int | None = None, 
     with torch.no_grad():
         drafter_model.mask_embedding.normal_()
         drafter_model.draft_vocab.copy_(torch.randperm(vocab)[:size].sort().values)
-    return BlockDiffusionDrafter(drafter_model, model, **kwargs)
+    block = BlockDiffusionDrafter(drafter_model, model, **kwargs)
+    if not lookup_ngram and ngram_store is None:
+        return block
+    lookup = PromptLookupDrafter(max_ngram=lookup_max_ngram, min_ngram=lookup_ngram,
+                                 max_draft_len=block.max_draft_len if lookup_tokens is None else lookup_tokens,
+                                 ngram_store=ngram_store, store_min_n=store_min_n, prefer_store=prefer_store,
+                                 verifier=model)  # fmt: skip
+    return ChainDrafter([lookup, block])
 
 
 def ngram_store_for(model, seed: int, own_answers: bool) -> NgramStore:

@@ -10,9 +10,10 @@ import pytest
 import torch
 from transformers import LogitsProcessorList
 
-from drafters import BlockDiffusionDrafter, DraftContext
+from drafters import BlockDiffusionDrafter, ChainDrafter, Draft, DraftContext, PromptLookupDrafter
 from drafters.block_diffusion import CONFIG_NAME, CONTEXT, WEIGHTS_NAME, frozen_verifier_parts, load_model
 from drafters.distill import build_features
+from drafters.ngram_store import NgramStore
 from drafters.train import block_batch, block_forward, greedy_block_drafts, parser, train
 from drafters.train import main as train_main
 from drafters.training import VocabMap, accepted_lengths, block_targets
@@ -231,10 +232,34 @@ def test_a_lookup_match_longer_than_the_block_is_proposed_whole(world):
     assert long.propose(ctx, 9).tokens.tolist() == [1, 2, 3, 4, 5, 6, 8, 9, 10]
     assert long.propose(ctx, 5).tokens.tolist() == [1, 2, 3, 4, 5]  # the scheduler's k still caps it
     assert short.propose(ctx, 9).tokens.tolist() == [1, 2, 3]
-    with pytest.raises(ValueError, match="lookup_tokens needs lookup_ngram >= 1 or an ngram_store"):
-        random_block_drafter(verifier, seed=0, lookup_tokens=9)
-    with pytest.raises(ValueError, match="lookup_tokens must be >= 1"):
-        random_block_drafter(verifier, seed=0, lookup_ngram=1, lookup_tokens=0)
+
+
+def test_the_block_model_fills_in_what_the_lookup_leaves():
+    """In the chain, a lookup shorter than the block gives the first positions and the model the rest, exactly as
+    the model drafts a block with those positions known; one as long as the block leaves the model nothing to do."""
+    verifier = tiny_model("llama", VOCAB, 1, seed=4)
+    block = random_block_drafter(verifier, seed=0, block_size=6)
+    chain = ChainDrafter([PromptLookupDrafter(max_ngram=3, max_draft_len=5), block])
+    ids = torch.tensor([5, 3, 4, 8, 9, 3, 4])  # "3, 4" was followed by 8, 9, 3, 4: a 2-token match (confidence 2/3)
+    v = Verifier(verifier, hidden_layers=block.hidden_layers)
+    v.prefill(ids[None, :-1], None, capacity=64)
+    ctx = DraftContext(ids[None], 0, False, LogitsProcessorList(), None, v)
+    assert chain.max_draft_len == 5 and chain.hidden_layers == block.hidden_layers
+    given = Draft(torch.tensor([8, 9]), confidence=torch.tensor([2 / 3, 2 / 3]))
+    block_tokens = torch.cat([ids[-1:], given.tokens, torch.zeros(3, dtype=torch.long)])
+    logits = block.block_logits(ctx, block_tokens, torch.arange(BLOCK) < 3)
+    draft = chain.propose(ctx, 2)  # the lookup reaches as far as asked: the model adds nothing
+    assert draft.tokens.tolist() == [8, 9]
+    draft = chain.propose(ctx, 5)  # asked for more: the lookup gives 4 (8, 9, 3, 4), the model the fifth
+    assert draft.tokens[:4].tolist() == [8, 9, 3, 4] and len(draft) == 5
+    assert draft.confidence[:4].tolist() == pytest.approx([2 / 3] * 4)
+    filled = block.fill(ctx, given, 5)  # the model alone, given two
+    assert filled.tokens[:2].tolist() == [8, 9]
+    assert filled.tokens[2:].tolist() == block.model.draft_vocab[logits[2:].argmax(-1)].tolist()
+    with pytest.raises(ValueError, match="different vocabularies"):
+        ChainDrafter([PromptLookupDrafter(ngram_store=NgramStore.build([([1, 2], 0)], VOCAB + 1), min_ngram=0), block])
+    with pytest.raises(TypeError, match="list of drafters.Drafter"):
+        ChainDrafter([block, "lookup"])
 
 
 @pytest.mark.parametrize("chosen", [1, 2, 3])

@@ -74,6 +74,12 @@ def test_lookup_options_are_checked():
     store = NgramStore.build([([1, 2, 3], 0)], vocab_size=8, max_n=2, min_count=1)
     with pytest.raises(ValueError, match="prefer_store"):
         PromptLookupDrafter(ngram_store=store, prefer_store=1.5)
+    with pytest.raises(ValueError, match="min_ngram=0 .* needs an ngram_store"):
+        PromptLookupDrafter(min_ngram=0)  # no context match and no store: nothing to draft from
+    with pytest.raises(ValueError, match="need 0 <= min_ngram <= max_ngram"):
+        PromptLookupDrafter(min_ngram=4, max_ngram=3)
+    with pytest.raises(ValueError, match="max_draft_len must be >= 1"):
+        PromptLookupDrafter(max_draft_len=0)
 
 
 def test_oracle_drafter_reaches_the_ceiling():
