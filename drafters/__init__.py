@@ -2,14 +2,16 @@
 
 The block-diffusion drafter is `block_diffusion.py`; its training is the `training` package, which no
 drafter imports. `ngram_store.py` is the table of what the verifier said next in its training answers, which
-continues the lookup match of the block drafter (and of `PromptLookupDrafter`, given one).
+continues the context match of `PromptLookupDrafter`, given one. `composite.py` chains drafters: the default is
+a lookup whose draft the block drafter fills in.
 """
 
 from drafters.base import Draft, DraftContext, Drafter, DraftError
 from drafters.block_diffusion import BlockDiffusionDrafter
+from drafters.composite import ChainDrafter
 from drafters.model_drafter import ModelDrafter
 from drafters.oracle import OracleDrafter
 from drafters.prompt_lookup import PromptLookupDrafter
 
-__all__ = ["BlockDiffusionDrafter", "Draft", "DraftContext", "DraftError", "Drafter", "ModelDrafter", "OracleDrafter",
-           "PromptLookupDrafter"]
+__all__ = ["BlockDiffusionDrafter", "ChainDrafter", "Draft", "DraftContext", "DraftError", "Drafter", "ModelDrafter",
+           "OracleDrafter", "PromptLookupDrafter"]

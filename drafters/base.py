@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import LogitsProcessorList
 
 from verifiers.logits import process_logits
+
+if TYPE_CHECKING:
+    from verifiers.verifier import Verifier
 
 
 @dataclass
@@ -50,31 +54,69 @@ class Draft:
 class DraftContext:
     """What a drafter may read while proposing. Built by the engine once per `generate` call.
 
-    input_ids:    [1, n] the committed sequence (left padding included); the last token is the one
+    input_ids:    [1, n] the committed sequence as the verifier attends to it (the prompt's padding and
+                  masked tokens left out, so position p is input_ids[0, p]); the last token is the one
                   the verifier just chose, whose successors are to be drafted.
-    num_padding:  number of left-padding tokens at the start of input_ids.
-    do_sample:    whether the verifier samples (then drafters should sample too, and report probs).
+    do_sample:    whether to sample the draft and report its probs: only under the rejection rule
+                  (`acceptance="rejection"`). Under the default rule a drafter proposes its best guesses,
+                  since the verifier keeps a token iff it equals its own draw.
     processors:   the very logits processors/warpers the verifier's scores go through.
-    generator:    the random generator of this call (None: torch's global one).
-    verifier:     the `verifiers.Verifier`; `hidden_states()` gives the states of the layers the
-                  drafter asked for (`Drafter.hidden_layers`) for input_ids[:, num_padding:-1] (padding
-                  has no states), never beyond.
+    generator:    the random generator to sample with (None: torch's global one, forked by the engine).
+    verifier:     the `verifiers.Verifier` whose cache holds this row (None: no verifier, so no states).
+                  A drafter reads it only through the methods below.
     row:          this sequence's row in the verifier's batch.
     steps:        denoising passes the scheduler chose for this step (1..`Drafter.max_steps`); None
                   outside the engine (then a drafter uses its own setting).
+
+    What a drafter may read of the verifier and keep beside it:
+        hidden_states():   the states of the layers it asked for (`Drafter.hidden_layers`) for
+                           input_ids[:, :-1], never beyond.
+        side_buffer(name, per_token, dtype, device): its own per-token state [rows, capacity, *per_token]
+                           in the verifier's cache, slot p for position p, allocated on first use; row r's
+                           slots 0 .. side_length(name) - 1 are valid for ctx.row = r. A rollback cuts that
+                           length back, finished rows leave it, and it grows with the cache, all as the
+                           verifier's own keys/values: a drafter only writes the slots it computes and calls
+                           mark_computed(name, n). Fetch it each draft (growth replaces the tensor).
+        static:            whether the verifier runs the static-shape path (one shape at every step: a
+                           drafter's forward should read all `capacity` slots through a mask then).
+        compiled(module):  `module` compiled as the verifier's step is (static path), or `module` itself.
     """
 
     input_ids: torch.Tensor
-    num_padding: int
     do_sample: bool
     processors: LogitsProcessorList
     generator: torch.Generator | None
-    verifier: object
+    verifier: Verifier | None
     row: int = 0
     steps: int | None = None
 
     def hidden_states(self) -> torch.Tensor | None:
-        return self.verifier.hidden_states(self.row)
+        """[1, n, len(hidden_layers) * hidden] for the committed tokens but the last (None: none kept)."""
+        return None if self.verifier is None else self.verifier.hidden_states(self.row)
+
+    def side_buffer(self, name: str, per_token: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+        """The per-token side buffer `name` of every row of the batch, [rows, capacity, *per_token] (see above)."""
+        return self._cache().side_buffer(name, per_token, dtype, device)
+
+    def side_length(self, name: str) -> int:
+        """Tokens of this row whose state side buffer `name` holds (0 before the first `mark_computed`)."""
+        return self._cache().side_length(name, self.row)
+
+    def mark_computed(self, name: str, length: int) -> None:
+        """Side buffer `name` now holds this row's state for its first `length` tokens (at most the cached ones)."""
+        self._cache().mark_computed(name, self.row, length)
+
+    @property
+    def static(self) -> bool:
+        return self.verifier is not None and self.verifier.static
+
+    def compiled(self, module):
+        return module if self.verifier is None else self.verifier.compiled(module)
+
+    def _cache(self):
+        if self.verifier is None or self.verifier.cache is None:
+            raise ValueError("this context has no verifier cache to keep side state in: draft through hybrid.generate")
+        return self.verifier.cache
 
     def choose(self, logits: torch.Tensor, prefix_ids: torch.Tensor) -> tuple[int, torch.Tensor]:
         """Pick a draft token from a drafter's logits [vocab] at the position after `prefix_ids` [1, m].
@@ -91,6 +133,9 @@ class DraftContext:
 
 class Drafter:
     """Base class for drafters. Subclass it and implement `propose`; override `reset` if you keep state.
+
+    A drafter that can continue tokens proposed before it (in a `drafters.ChainDrafter`, after a lookup)
+    overrides `fill`; the default continues nothing.
 
     Class attributes a subclass may set:
         vocab_size:    the vocabulary its token ids index; checked against the verifier's (None: any).
@@ -127,6 +172,20 @@ class Drafter:
         asked by the engine on the drafter passed to `generate`. The default asks each row on its own; a drafter
         whose model can serve the rows in one forward overrides it (`BlockDiffusionDrafter` does)."""
         return [drafter.propose(ctx, k) for drafter, ctx, k in zip(drafters, ctxs, max_tokens)]
+
+    def fill(self, ctx: DraftContext, given: Draft, max_tokens: int) -> Draft:
+        """A draft of at most `max_tokens` tokens that starts with `given`, tokens another drafter proposed to
+        follow `ctx.input_ids` (0 <= len(given) < max_tokens <= max_draft_len). Given tokens stay as they are,
+        with their probs (None: deterministic) and confidences; the default adds none after them."""
+        return self.propose(ctx, max_tokens) if len(given) == 0 else given
+
+    def fill_rows(self, drafters: list[Drafter], ctxs: list[DraftContext], givens: list[Draft],
+                  max_tokens: list[int]) -> list[Draft]:
+        """`fill` for several rows of a batch, as `propose_rows` is `propose`'s (rows given nothing at all go through
+        `propose_rows`, so a drafter that batches there batches here; else each row on its own, in row order)."""
+        if not any(len(given) for given in givens):
+            return self.propose_rows(drafters, ctxs, max_tokens)
+        return [drafter.fill(ctx, given, k) for drafter, ctx, given, k in zip(drafters, ctxs, givens, max_tokens)]
 
 
 def common_prefix_length(a: torch.Tensor, b: torch.Tensor) -> int:

@@ -9,8 +9,9 @@ visibility (drafters.training). The token embedding and LM head are the verifier
 the head is restricted to a draft vocabulary (the tokens the verifier actually emits), which makes
 training and drafting cheaper and keeps both in the same space.
 
-Only the projected context keys/values are cached, one row per committed token; a rollback of the
-verifier is a rollback of this cache (rows are dropped where the committed tokens changed).
+Only the projected context keys/values are cached, one slot per committed token, in a side buffer of the
+verifier's cache (`DraftContext.side_buffer`): a rollback of the verifier is a rollback of it (slots are
+recomputed where the committed tokens changed).
 """
 
 from __future__ import annotations
@@ -26,10 +27,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from drafters.base import Draft, DraftContext, Drafter, check_same_verifier
-from drafters.ngram_store import NgramStore, check_store_fits
-from drafters.prompt_lookup import check_prefer_store, lookup_draft
 
 CONFIG_NAME = "drafter_config.json"
+CONTEXT = "block-context"  # the side buffer of the projected context keys/values
 FEATURE_CLIP = 8.0
 WEIGHTS_NAME = "model.safetensors"
 
@@ -47,17 +47,6 @@ class BlockDiffusionConfig:
     rope_theta: float = 100000.0
     rms_norm_eps: float = 1e-5
     draft_vocab_size: int = 8192
-    # Add the fused verifier feature of the token before the anchor to every block input (EAGLE's input): the
-    # state that predicted the anchor is then in every position without an attention hop. Off in old checkpoints.
-    feature_input: bool = False
-    # Add each context token's own (normalised) embedding to its fused feature: the drafter then reads which token
-    # sits where as directly as an AR drafter does, which copying from the context needs. Off in old checkpoints.
-    context_tokens: bool = False
-    # A masked position takes the embedding of the nearest KNOWN token to its left and the mask embedding of its
-    # distance from it, instead of always the anchor's and its block index. A first pass is unchanged (only the
-    # anchor is known); once a pass or a lookup match fixes positions 1..j, position j+1 reads x_j at distance 1,
-    # as the first position reads the anchor. Off in old checkpoints.
-    known_token_input: bool = False
     verifier: dict = field(default_factory=dict)  # verifier_fingerprint() of the verifier it was trained for
 
     @classmethod
@@ -156,20 +145,24 @@ class DraftLayer(nn.Module):
 
 
 class BlockDiffusionModel(nn.Module):
-    """The trainable part: context fusion, a mask embedding, the layers and a final norm."""
+    """The trainable part: context fusion, a mask embedding, the layers and a final norm.
+
+    A context token's fused feature is its verifier states (fused) plus its own normalised embedding: the drafter
+    reads which token sits where as directly as an AR drafter does, which copying from the context needs. Every
+    block input gets the fused feature of the token before the anchor (EAGLE's input): the state that predicted
+    the anchor is then in every position without an attention hop.
+    """
 
     def __init__(self, config: BlockDiffusionConfig):
         super().__init__()
         c = self.config = config
         self.fuse = nn.Linear(len(c.target_layers) * c.hidden_size, c.hidden_size, bias=False)
         self.fuse_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        if c.context_tokens:
-            self.token_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.token_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         # One mask embedding per block position (plus the anchor's embedding, see block_inputs): with identical
         # inputs, masked positions could tell apart only through RoPE, which one layer does poorly.
         self.mask_embedding = nn.Parameter(torch.zeros(c.block_size, c.hidden_size))
-        if c.feature_input:
-            self.feature_gate = nn.Parameter(torch.ones(c.hidden_size))  # scales the fused feature to the embeddings'
+        self.feature_gate = nn.Parameter(torch.ones(c.hidden_size))  # scales the fused feature to the embeddings'
         self.layers = nn.ModuleList(DraftLayer(c) for _ in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.register_buffer("draft_vocab", torch.arange(c.draft_vocab_size), persistent=True)
@@ -182,35 +175,22 @@ class BlockDiffusionModel(nn.Module):
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, std=0.02)
 
-    def block_inputs(self, token_embeds: torch.Tensor, known: torch.Tensor, last_feature: torch.Tensor | None = None
-                     ) -> torch.Tensor:
-        """Inputs [..., B, hidden] of a block from its token embeddings [..., B, hidden] (anchor first) and `known`
-        [..., B]. Masked position i gets mask embedding i plus the anchor's embedding: every position then
-        knows the anchor without attending to it, which an AR layer gets for free and a 1-layer block model
-        otherwise learns slowly (with `config.known_token_input`: the nearest known token's and its distance's).
-        With `config.feature_input`, `last_feature` [..., hidden] (the fused feature of the token before the
-        anchor) is added to every position."""
-        size = token_embeds.shape[-2]
-        if self.config.known_token_input:
-            index = torch.arange(size, device=known.device)
-            nearest = torch.where(known, index, 0).cummax(dim=-1).values  # the nearest known position at or left of i
-            left = token_embeds.gather(-2, nearest[..., None].expand_as(token_embeds))
-            masked = self.mask_embedding[index - nearest].to(token_embeds.dtype) + left
-        else:
-            masked = self.mask_embedding[:size].to(token_embeds.dtype) + token_embeds[..., :1, :]
+    def block_inputs(self, token_embeds: torch.Tensor, known: torch.Tensor, last_feature: torch.Tensor) -> torch.Tensor:
+        """Inputs [..., B, hidden] of a block from its token embeddings [..., B, hidden] (anchor first), `known`
+        [..., B] and `last_feature` [..., hidden] (the fused feature of the token before the anchor), which is
+        added to every position. Masked position i gets mask embedding i plus the anchor's embedding: every
+        position then knows the anchor without attending to it, which an AR layer gets for free and a 1-layer
+        block model otherwise learns slowly."""
+        masked = self.mask_embedding[: token_embeds.shape[-2]].to(token_embeds.dtype) + token_embeds[..., :1, :]
         inputs = torch.where(known[..., None], token_embeds, masked)
-        if self.config.feature_input:
-            inputs = inputs + (self.feature_gate * last_feature)[..., None, :].to(inputs.dtype)
-        return inputs
+        return inputs + (self.feature_gate * last_feature)[..., None, :].to(inputs.dtype)
 
     def features(self, hidden_states: torch.Tensor, token_embeds: torch.Tensor) -> torch.Tensor:
         """Fused features [..., hidden] of verifier states [..., len(target_layers) * hidden] and the embeddings
-        [..., hidden] of the tokens they were computed at (used with `config.context_tokens`)."""
+        [..., hidden] of the tokens they were computed at."""
         x = (hidden_states.to(self.fuse.weight.dtype) - self.feature_shift) / self.feature_scale
         fused = self.fuse_norm(self.fuse(x.clamp(-FEATURE_CLIP, FEATURE_CLIP)))
-        if self.config.context_tokens:
-            fused = fused + self.token_norm(token_embeds.to(fused.dtype))
-        return fused
+        return fused + self.token_norm(token_embeds.to(fused.dtype))
 
     def context(self, features: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (keys, values) [S, kv_heads, n, d] of fused features [S, n, hidden] (see `features`)."""
@@ -243,29 +223,21 @@ class BlockDiffusionDrafter(Drafter):
     Args:
         model: the trained `BlockDiffusionModel`.
         verifier: the verifier model (its embedding and head are used; its fingerprint must match).
+        tokenizer: the verifier's tokenizer, if known (checked against the one passed to `generate`).
         steps: the most denoising passes per draft (1 = one parallel pass); the scheduler chooses
             1..steps each step (`ctx.steps`; the default scheduler learns which pays). With more, each pass fixes the
             longest run of leading still-masked positions whose confidence is >= `threshold` (at least
             one) and re-predicts the rest with them as input. Fixing a left-to-right prefix keeps
             rejection sampling exact: every token is drawn given only tokens to its left.
+        threshold: see `steps`.
         block_size: positions per block at run time (anchor included), 2..the trained block size.
-        lookup_ngram: if > 0, an n-gram match of at least this length in the context (prompt lookup)
-            supplies the first block positions; the model fills in the rest given them. 0 turns it off.
-        lookup_tokens: the most tokens a lookup match may propose (default: the block's block_size - 1). A match
-            longer than the block is proposed whole, past the block: the verifier's answers repeat long spans
-            (docstrings, code), which a block of 8 would cut.
-        lookup_max_ngram: the longest context match looked for (the longest match wins, see `lookup_continuation`).
-        ngram_store: an `NgramStore` (or its folder) of the verifier's own training answers. After the context
-            match (or where there is none), it continues the lookup tokens with what the verifier most often said
-            next after the last n-gram (n >= `store_min_n`), up to `lookup_tokens`; the model fills the rest.
-        prefer_store: if set, a context match of one token gives way to the store's own continuation when the
-            store's first token has at least this share (`lookup_draft`).
+
+    `fill` drafts the rest of a block whose first positions another drafter gave (a lookup match, in a
+    `drafters.ChainDrafter`): the model reads them as known positions, as a later denoising pass does.
     """
 
     def __init__(self, model: BlockDiffusionModel, verifier, tokenizer=None, steps: int = 1, threshold: float = 0.9,
-                 block_size: int | None = None, lookup_ngram: int = 0, lookup_tokens: int | None = None,
-                 ngram_store: NgramStore | str | Path | None = None, store_min_n: int = 2, lookup_max_ngram: int = 3,
-                 prefer_store: float | None = None):
+                 block_size: int | None = None):
         c = model.config
         block_size = c.block_size if block_size is None else block_size
         if not 2 <= block_size <= c.block_size:
@@ -274,20 +246,7 @@ class BlockDiffusionDrafter(Drafter):
             raise ValueError(f"steps must be >= 1, got {steps}")
         if not 0.0 <= threshold <= 1.0:
             raise ValueError(f"threshold must be in [0, 1], got {threshold}")
-        if lookup_ngram < 0:
-            raise ValueError(f"lookup_ngram must be >= 0, got {lookup_ngram}")
-        if lookup_tokens is not None and not lookup_ngram and ngram_store is None:
-            raise ValueError("lookup_tokens needs lookup_ngram >= 1 or an ngram_store (it caps what lookup proposes)")
-        if lookup_max_ngram < max(lookup_ngram, 1):
-            raise ValueError(f"lookup_max_ngram must be >= max(lookup_ngram, 1) = {max(lookup_ngram, 1)}, got {lookup_max_ngram}")
-        check_prefer_store(prefer_store, ngram_store)
-        lookup_tokens = block_size - 1 if lookup_tokens is None else lookup_tokens
-        if lookup_tokens < 1:
-            raise ValueError(f"lookup_tokens must be >= 1, got {lookup_tokens}")
         check_fingerprint(c.verifier, verifier_fingerprint(verifier))
-        ngram_store = NgramStore.load(ngram_store, store_min_n)
-        if ngram_store is not None:
-            check_store_fits(ngram_store, c.verifier)
         # On the device of the verifier's head, i.e. its last layer when device_map spreads it over GPUs.
         self.device = verifier.get_output_embeddings().weight.device
         self.model = model.to(self.device).eval()
@@ -295,20 +254,11 @@ class BlockDiffusionDrafter(Drafter):
         self.vocab_size = verifier.get_input_embeddings().weight.shape[0]
         self.tokenizer = tokenizer
         self.hidden_layers = tuple(c.target_layers)
-        self.block_size, self.max_draft_len = block_size, max(block_size - 1, lookup_tokens)
-        self.steps, self.threshold, self.lookup_ngram, self.lookup_tokens = steps, threshold, lookup_ngram, lookup_tokens
-        self.ngram_store, self.store_min_n = ngram_store, store_min_n
-        self.lookup_max_ngram, self.prefer_store = lookup_max_ngram, prefer_store
-        self.max_steps = steps
+        self.block_size, self.max_draft_len = block_size, block_size - 1
+        self.steps, self.threshold, self.max_steps = steps, threshold, steps
         weights = hashlib.sha256(b"".join(t.detach().cpu().float().numpy().tobytes() for t in model.state_dict().values()))
         # Schedulers keep acceptance statistics per drafter: another checkpoint or setting is another drafter.
-        self.fingerprint = f"{weights.hexdigest()[:12]}:b{block_size}:s{steps}:t{threshold}:l{lookup_ngram}"
-        if lookup_tokens != block_size - 1:  # matches past the block are another drafter; the default keeps its name
-            self.fingerprint += f":lt{lookup_tokens}"
-        if ngram_store is not None:
-            self.fingerprint += f":ng{ngram_store.digest()}:n{store_min_n}"
-        if lookup_max_ngram != 3 or prefer_store is not None:
-            self.fingerprint += f":m{lookup_max_ngram}:p{prefer_store}"
+        self.fingerprint = f"{weights.hexdigest()[:12]}:b{block_size}:s{steps}:t{threshold}"
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """The verifier's embedding of `ids`, on the drafter's device (the embedding may live on another GPU)."""
@@ -325,12 +275,12 @@ class BlockDiffusionDrafter(Drafter):
 
     # -- drafting ---------------------------------------------------------------------------------
 
-    def _buffers(self, cache) -> list[torch.Tensor]:
-        """Per drafter layer, the projected context keys/values of every row, [rows, capacity, 2, kv_heads, d],
-        kept in the verifier's shared cache (a rollback cuts them back with the verifier's own)."""
+    def _context(self, ctx: DraftContext) -> torch.Tensor:
+        """The projected context keys/values of every row, [rows, capacity, layers, 2, kv_heads, d], a side buffer
+        of the verifier's cache (a rollback cuts it back with the verifier's own)."""
         c = self.model.config
-        return [cache.drafter_buffer(f"block-context-{i}", (2, c.num_kv_heads, c.head_dim), self.model.norm.weight.dtype,
-                                     self.device) for i in range(c.num_layers)]  # fmt: skip
+        return ctx.side_buffer(CONTEXT, (c.num_layers, 2, c.num_kv_heads, c.head_dim), self.model.norm.weight.dtype,
+                               self.device)  # fmt: skip
 
     def _sync_context(self, ctx: DraftContext, committed: torch.Tensor) -> tuple[int, torch.Tensor]:
         """Bring this row's projected context up to the verifier states of committed[:-1]; return its length n
@@ -342,14 +292,14 @@ class BlockDiffusionDrafter(Drafter):
         n = committed.shape[0] - 1
         if states.shape[0] != n:
             raise ValueError(f"verifier has states for {states.shape[0]} tokens, expected {n} (committed minus the anchor)")
-        cache, row = ctx.verifier.cache, ctx.row
-        done = cache.drafter_lengths[row]
+        done = ctx.side_length(CONTEXT)
         if done < n:
             positions = torch.arange(done, n, device=states.device)[None]
             features = self.model.features(states[None, done:n], self.embed(committed[None, done:n]))
-            for buffer, (k, v) in zip(self._buffers(cache), self.model.context(features, positions)):
-                buffer[row, done:n] = torch.stack([k[0], v[0]]).permute(2, 0, 1, 3)  # [n, 2, kv_heads, d]
-            cache.drafter_computed(row, n)
+            context = self.model.context(features, positions)  # per layer [1, kv_heads, n - done, d] twice
+            rows = torch.stack([torch.stack([k[0], v[0]]) for k, v in context])  # [layers, 2, kv_heads, n - done, d]
+            self._context(ctx)[ctx.row, done:n] = rows.permute(3, 0, 1, 2, 4)
+            ctx.mark_computed(CONTEXT, n)
         return n, states
 
     @torch.inference_mode()
@@ -360,78 +310,82 @@ class BlockDiffusionDrafter(Drafter):
     @torch.inference_mode()
     def block_logits_rows(self, ctxs: list[DraftContext], blocks: torch.Tensor, knowns: torch.Tensor) -> torch.Tensor:
         """`block_logits` of several rows of one batch [R, B - 1, V'], in one forward of the block model: row r's
-        context is its first n_r slots of the shared buffers; slots past a row's length are masked."""
+        context is its first n_r slots of the side buffer; slots past a row's length are masked."""
         inputs, lengths = [], []
         for ctx, block, known in zip(ctxs, blocks, knowns):
-            committed = ctx.input_ids[0, ctx.num_padding :]
+            committed = ctx.input_ids[0]
             n, states = self._sync_context(ctx, committed)
-            last = None
-            if self.model.config.feature_input:  # the fused feature of the token before the anchor (zeros if none)
-                last = (self.model.features(states[n - 1], self.embed(committed[n - 1])) if n
-                        else self.model.feature_gate.new_zeros(self.model.feature_gate.shape))
+            # The fused feature of the token before the anchor (zeros if none).
+            last = (self.model.features(states[n - 1], self.embed(committed[n - 1])) if n
+                    else self.model.feature_gate.new_zeros(self.model.feature_gate.shape))
             inputs.append(self.model.block_inputs(self.embed(block), known, last))
             lengths.append(n)
-        cache, size = ctxs[0].verifier.cache, blocks.shape[1]
-        slots = cache.capacity if cache.static else max(lengths)  # static: one shape at every step
+        static, size, buffer = ctxs[0].static, blocks.shape[1], self._context(ctxs[0])
+        slots = buffer.shape[1] if static else max(lengths)  # static: every slot, one shape at every step
         rows = [ctx.row for ctx in ctxs]
         # One row (always at batch 1) is a view, no copy; several are gathered.
         pick = slice(rows[0], rows[0] + 1) if len(rows) == 1 else torch.tensor(rows, device=self.device)
-        picked = [b[pick, :slots] for b in self._buffers(cache)]  # [R, slots, 2, kv_heads, d]
-        context = [(p[:, :, 0].transpose(1, 2), p[:, :, 1].transpose(1, 2)) for p in picked]
+        picked = buffer[pick, :slots]  # [R, slots, layers, 2, kv_heads, d]
+        context = [(picked[:, :, i, 0].transpose(1, 2), picked[:, :, i, 1].transpose(1, 2))
+                   for i in range(picked.shape[2])]  # fmt: skip
         n = torch.tensor(lengths, device=self.device)
         positions = n[:, None] + torch.arange(size, device=self.device)
         forward, mask = self.model, None
-        if cache.static or len(set(lengths)) > 1:  # [context slots ; block]: a row sees its own n slots and the block
+        if static or len(set(lengths)) > 1:  # [context slots ; block]: a row sees its own n slots and the block
             keys = torch.arange(slots + size, device=self.device)
             mask = ((keys < n[:, None]) | (keys >= slots))[:, None, None, :].expand(-1, 1, size, -1)
-        if cache.static:
-            forward = ctxs[0].verifier.compiled(self.model)
+        if static:
+            forward = ctxs[0].compiled(self.model)
             if forward is not self.model:  # the last pass's output is consumed: CUDA graphs may reuse it
                 torch.compiler.cudagraph_mark_step_begin()
         hidden = forward(torch.stack(inputs).to(self.model.norm.weight.dtype), positions, context, mask)
         return (hidden[:, 1:] @ self.head.T.to(hidden.dtype)).float()
 
-    def _start(self, ctx: DraftContext, max_tokens: int) -> Draft | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """What needs no model: the Draft when lookup fills the block, else (block [B], known [B], the given
-        tokens' confidences [B - 1]) to denoise."""
-        committed = ctx.input_ids[0, ctx.num_padding :]
-        size = self.block_size
+    def _start(self, ctx: DraftContext, given: Draft) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(block [B], known [B], the given tokens' confidences [B - 1]) of a block whose first positions are `given`."""
+        committed = ctx.input_ids[0]
+        size, m = self.block_size, len(given)
         block = committed.new_zeros(size)
         block[0] = committed[-1]
         known = torch.zeros(size, dtype=torch.bool, device=block.device)
-        known[0] = True
+        known[: 1 + m] = True
+        block[1 : 1 + m] = given.tokens
         given_confidence = torch.zeros(size - 1)  # for positions fixed before the last pass
-        found, found_confidence = self.lookup(committed)
-        if found.shape[0] >= size - 1:  # lookup fills the block (or runs past it): nothing left to denoise
-            return Draft(found[:max_tokens].to(ctx.input_ids.device), None, found_confidence[:max_tokens])
-        block[1 : 1 + found.shape[0]] = found
-        known[1 : 1 + found.shape[0]] = True
-        given_confidence[: found.shape[0]] = found_confidence
+        if given.confidence is not None:
+            given_confidence[:m] = given.confidence
         return block, known, given_confidence
 
-    @torch.inference_mode()
+    def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
+        return self.fill(ctx, Draft.empty(ctx.input_ids.device), max_tokens)
+
     def propose_rows(self, drafters: list[Drafter], ctxs: list[DraftContext], max_tokens: list[int]) -> list[Draft]:
-        """With one denoising pass, the rows the lookup does not fill share one forward of the block model (lookup and
-        the choice of tokens stay per row, in row order, so a sampled batch draws as row-by-row drafting does)."""
-        passes = {self.steps if ctx.steps is None else min(ctx.steps, self.steps) for ctx in ctxs}
-        if len(ctxs) == 1 or passes != {1}:
+        if not self._one_forward(ctxs):
             return super().propose_rows(drafters, ctxs, max_tokens)
-        drafts = [drafter._start(ctx, k) for drafter, ctx, k in zip(drafters, ctxs, max_tokens)]
-        todo = [r for r, d in enumerate(drafts) if not isinstance(d, Draft)]
-        if todo:
-            logits = self.block_logits_rows([ctxs[r] for r in todo], torch.stack([drafts[r][0] for r in todo]),
-                                            torch.stack([drafts[r][1] for r in todo]))  # fmt: skip
-            for i, r in enumerate(todo):
-                block, known, given_confidence = drafts[r]
-                drafts[r] = drafters[r]._choose(ctxs[r], logits[i], block, known, given_confidence, max_tokens[r])
-        return drafts
+        return self._fill_together(drafters, ctxs, [Draft.empty(ctx.input_ids.device) for ctx in ctxs], max_tokens)
+
+    def fill_rows(self, drafters: list[Drafter], ctxs: list[DraftContext], givens: list[Draft],
+                  max_tokens: list[int]) -> list[Draft]:
+        if not self._one_forward(ctxs):
+            return super().fill_rows(drafters, ctxs, givens, max_tokens)
+        return self._fill_together(drafters, ctxs, givens, max_tokens)
+
+    def _one_forward(self, ctxs: list[DraftContext]) -> bool:
+        """Whether rows draft together: with one denoising pass, the rows of a batch share one forward of the block
+        model (the choice of tokens stays per row, in row order, so a sampled batch draws as row-by-row drafting)."""
+        passes = {self.steps if ctx.steps is None else min(ctx.steps, self.steps) for ctx in ctxs}
+        return len(ctxs) > 1 and passes == {1}
 
     @torch.inference_mode()
-    def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
-        start = self._start(ctx, max_tokens)
-        if isinstance(start, Draft):
-            return start
-        block, known, given_confidence = start
+    def _fill_together(self, drafters: list[Drafter], ctxs: list[DraftContext], givens: list[Draft],
+                       max_tokens: list[int]) -> list[Draft]:
+        starts = [drafter._start(ctx, given) for drafter, ctx, given in zip(drafters, ctxs, givens)]
+        logits = self.block_logits_rows(ctxs, torch.stack([s[0] for s in starts]), torch.stack([s[1] for s in starts]))
+        return [drafter._choose(ctx, row_logits, *start, given, k)
+                for drafter, ctx, row_logits, start, given, k in zip(drafters, ctxs, logits, starts, givens, max_tokens)]
+
+    @torch.inference_mode()
+    def fill(self, ctx: DraftContext, given: Draft, max_tokens: int) -> Draft:
+        block, known, given_confidence = self._start(ctx, given)
         size = self.block_size
         steps = self.steps if ctx.steps is None else min(ctx.steps, self.steps)
         for step in range(steps):
@@ -447,15 +401,11 @@ class BlockDiffusionDrafter(Drafter):
             block[1 + first : 1 + run] = self.model.draft_vocab[best[first:run]].to(block.dtype)
             known[1 + first : 1 + run] = True
             given_confidence[first:run] = confidence[first:run].cpu()
-        return self._choose(ctx, logits, block, known, given_confidence, max_tokens)
+        return self._choose(ctx, logits, block, known, given_confidence, given, max_tokens)
 
-    def lookup(self, committed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(tokens, confidences) that need no model: a match in the context continued by the n-gram store."""
-        return lookup_draft(committed, self.lookup_ngram, self.lookup_max_ngram, self.lookup_tokens, self.ngram_store,
-                            self.store_min_n, self.prefer_store)
-
-    def _choose(self, ctx, logits, block, known, given_confidence, max_tokens) -> Draft:
-        """Tokens for the first `max_tokens` draft positions: given ones as they are, the rest chosen from logits."""
+    def _choose(self, ctx, logits, block, known, given_confidence, given, max_tokens) -> Draft:
+        """Tokens for the first `max_tokens` draft positions: known ones as they are (the given ones with their
+        probs), the rest chosen from logits."""
         vocab = self.model.draft_vocab
         k = min(max_tokens, self.block_size - 1)
         if not ctx.do_sample and not ctx.processors:  # outside the draft vocabulary the logits are -inf: top-1 over it is the whole answer
@@ -469,10 +419,13 @@ class BlockDiffusionDrafter(Drafter):
         for i in range(k):
             full = logits.new_full((self.vocab_size,), -math.inf)
             full[vocab] = logits[i]
-            if bool(known[i + 1]):  # given (lookup or an earlier pass): a deterministic proposal
+            if bool(known[i + 1]):  # given or fixed by an earlier pass: as it is
                 token = int(block[i + 1])
-                q = torch.zeros_like(full)
-                q[token] = 1.0
+                if i < len(given) and given.probs is not None:  # the distribution the giver drew it from
+                    q = given.probs[i].to(full.device, full.dtype)
+                else:  # a deterministic proposal
+                    q = torch.zeros_like(full)
+                    q[token] = 1.0
                 conf = float(given_confidence[i])
             else:
                 token, q = ctx.choose(full, prefix)

@@ -30,7 +30,7 @@ class ModelDrafter(Drafter):
 
     @torch.inference_mode()
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
-        committed = ctx.input_ids[0, ctx.num_padding :].to(self.lm.model.device)
+        committed = ctx.input_ids[0].to(self.lm.model.device)
         if self.lm.max_positions is not None:  # a learned position table ends: draft only what it can embed
             max_tokens = min(max_tokens, self.lm.max_positions - committed.shape[0])
             if max_tokens < 1:

@@ -1,4 +1,5 @@
-"""Prompt lookup: propose what followed the last occurrence of the current n-gram (no model at all)."""
+"""Prompt lookup: propose what followed the last occurrence of the current n-gram (no model at all), continued by
+an n-gram store of the verifier's own answers if given one."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from pathlib import Path
 import torch
 
 from drafters.base import Draft, DraftContext, Drafter
-from drafters.ngram_store import NgramStore
+from drafters.block_diffusion import verifier_fingerprint
+from drafters.ngram_store import NgramStore, check_store_fits
 
 
 class PromptLookupDrafter(Drafter):
@@ -17,20 +19,27 @@ class PromptLookupDrafter(Drafter):
     followed its most recent earlier occurrence. Deterministic, so its q is one-hot. Its confidence
     is n / (n + 1) for a match of n tokens (longer matches predict better; schedulers calibrate the
     number into an acceptance probability). With an `ngram_store` (the verifier's own training answers,
-    `drafters.ngram_store`), the store continues the match, or stands in where there is none; with
-    `prefer_store`, also where the match is a single token and the store's first share is at least that.
+    `drafters.ngram_store`), the store continues the match (the n-gram ending the context and the match,
+    n >= `store_min_n`), or stands in where there is none; with `prefer_store`, also where the match is a
+    single token and the store's first share is at least that (`lookup_draft`). `min_ngram=0` looks for
+    no match: the store alone. Given the `verifier` model, the store is checked to hold its answers.
     """
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, max_draft_len: int = 10,
                  ngram_store: NgramStore | str | Path | None = None, store_min_n: int = 2,
-                 prefer_store: float | None = None):
-        if not 1 <= min_ngram <= max_ngram:
-            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got min_ngram={min_ngram}, max_ngram={max_ngram}")
+                 prefer_store: float | None = None, verifier=None):
+        if not 0 <= min_ngram <= max_ngram or max_ngram < 1:
+            raise ValueError(f"need 0 <= min_ngram <= max_ngram and max_ngram >= 1, got min_ngram={min_ngram}, "
+                             f"max_ngram={max_ngram}")  # fmt: skip
+        if min_ngram == 0 and ngram_store is None:
+            raise ValueError("min_ngram=0 (no context match) drafts from the store alone: it needs an ngram_store")
         if max_draft_len < 1:
             raise ValueError(f"max_draft_len must be >= 1, got {max_draft_len}")
         check_prefer_store(prefer_store, ngram_store)
         self.max_ngram, self.min_ngram, self.max_draft_len = max_ngram, min_ngram, max_draft_len
         self.ngram_store, self.store_min_n = NgramStore.load(ngram_store, store_min_n), store_min_n
+        if self.ngram_store is not None and verifier is not None:
+            check_store_fits(self.ngram_store, verifier_fingerprint(verifier))
         self.prefer_store = prefer_store
         # Schedulers keep acceptance statistics per drafter: other settings are another drafter.
         self.fingerprint = f"m{min_ngram}-{max_ngram}"
@@ -39,7 +48,7 @@ class PromptLookupDrafter(Drafter):
             self.fingerprint += f":ng{self.ngram_store.digest()}:n{store_min_n}:p{prefer_store}"
 
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
-        ids = ctx.input_ids[0, ctx.num_padding :]
+        ids = ctx.input_ids[0]
         tokens, confidence = lookup_draft(ids, self.min_ngram, self.max_ngram, max_tokens, self.ngram_store, self.store_min_n,
                                           self.prefer_store)
         return Draft(tokens, confidence=confidence)

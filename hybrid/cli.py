@@ -14,7 +14,7 @@ import torch
 from transformers import TextStreamer
 
 import hybrid
-from drafters import BlockDiffusionDrafter, PromptLookupDrafter
+from drafters import PromptLookupDrafter
 from verifiers.prompts import encode_prompt
 
 DRAFTERS = ("default", "block", "prompt-lookup", "none")
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model, tokenizer, default_drafter = hybrid.load_default(args.device, device_map=args.device_map)
     drafters = {"default": lambda: default_drafter, "prompt-lookup": PromptLookupDrafter, "none": lambda: None,
-                "block": lambda: BlockDiffusionDrafter(default_drafter.model, model, tokenizer=tokenizer)}
+                "block": lambda: default_drafter.sources[-1]}  # the default's block model, without its lookup
     drafter = drafters[args.drafter]()
     input_ids = encode_prompt(tokenizer, args.prompt).to(model.device)
     settings = {"max_new_tokens": args.max_new_tokens, "do_sample": args.do_sample}

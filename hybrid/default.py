@@ -45,11 +45,15 @@ def load_default(device: str | torch.device = "cpu", dtype: torch.dtype = torch.
     return model, tokenizer, default_drafter(model, tokenizer)
 
 
-def default_drafter(model, tokenizer=None, **overrides):
-    """The shipped block-diffusion drafter with the lookup settings above (`overrides` replace any of them; the
-    experiments pass a loaded `ngram_store`), for the default verifier `model`."""
-    from drafters import BlockDiffusionDrafter
+def default_drafter(model, tokenizer=None, ngram_store=DRAFTER_NGRAM_DIR, lookup_tokens: int = DRAFTER_LOOKUP_TOKENS,
+                    block_size: int | None = None):
+    """The shipped drafter for the default verifier `model`: the lookup settings above (a context match continued by
+    the n-gram store, up to `lookup_tokens`), and where the lookup falls short of the block, the shipped block model
+    (`block_size`: its trained size if None) fills the block in. The experiments pass a loaded `ngram_store`."""
+    from drafters import BlockDiffusionDrafter, ChainDrafter, PromptLookupDrafter
 
-    settings = dict(lookup_ngram=DRAFTER_LOOKUP_NGRAM, lookup_tokens=DRAFTER_LOOKUP_TOKENS, ngram_store=DRAFTER_NGRAM_DIR,
-                    lookup_max_ngram=DRAFTER_LOOKUP_MAX_NGRAM, prefer_store=DRAFTER_PREFER_STORE)
-    return BlockDiffusionDrafter.from_pretrained(DRAFTER_DIR, model, tokenizer=tokenizer, **(settings | overrides))
+    lookup = PromptLookupDrafter(max_ngram=DRAFTER_LOOKUP_MAX_NGRAM, min_ngram=DRAFTER_LOOKUP_NGRAM,
+                                 max_draft_len=lookup_tokens, ngram_store=ngram_store, prefer_store=DRAFTER_PREFER_STORE,
+                                 verifier=model)  # fmt: skip
+    block = BlockDiffusionDrafter.from_pretrained(DRAFTER_DIR, model, tokenizer=tokenizer, block_size=block_size)
+    return ChainDrafter([lookup, block])

@@ -126,7 +126,7 @@ def decode(
     device = verifier.model.device
     rng_devices = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
     for b, row in enumerate(rows):
-        row.ctx = DraftContext(row.unmasked_ids(), 0, sample_drafts, row.processors,
+        row.ctx = DraftContext(row.unmasked_ids(), sample_drafts, row.processors,
                                generator if sample_drafts else None, verifier, row=b)  # fmt: skip
         if drafter is not None:
             # Each row drafts with its own copy (weights shared, per-sequence state separate).

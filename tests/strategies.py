@@ -7,7 +7,8 @@ import copy
 import torch
 from hypothesis import strategies as st
 
-from drafters import BlockDiffusionDrafter, Draft, DraftContext, Drafter, ModelDrafter, PromptLookupDrafter
+from drafters import (BlockDiffusionDrafter, ChainDrafter, Draft, DraftContext, Drafter, ModelDrafter,
+                      PromptLookupDrafter)
 from drafters.block_diffusion import BlockDiffusionConfig, BlockDiffusionModel, verifier_fingerprint
 from drafters.ngram_store import NgramStore
 from hybrid.testing import ARCHITECTURES, LLAMA_LIKE, tiny_model
@@ -99,19 +100,27 @@ def perturbed_copy(model, scale: float, seed: int):
 
 
 def random_block_drafter(model, seed: int, draft_vocab_size: int | None = None, block_size: int = 6,
-                         feature_input: bool = True, context_tokens: bool = True, known_token_input: bool = False, **kwargs):
-    """A random-weight BlockDiffusionDrafter for `model`, its draft vocabulary a random subset of the verifier's."""
+                         lookup_ngram: int = 0, lookup_tokens: int | None = None, ngram_store: NgramStore | None = None,
+                         store_min_n: int = 2, lookup_max_ngram: int = 3, prefer_store: float | None = None, **kwargs):
+    """A random-weight BlockDiffusionDrafter for `model` (`kwargs` are its own), its draft vocabulary a random subset
+    of the verifier's. With `lookup_ngram` >= 1 or an `ngram_store`, the ChainDrafter of a PromptLookupDrafter
+    (min_ngram=lookup_ngram, max_ngram=lookup_max_ngram, up to `lookup_tokens`, by default the block's) and it."""
     vocab = model.config.vocab_size
     size = vocab if draft_vocab_size is None else draft_vocab_size
-    config = BlockDiffusionConfig.for_verifier(model, block_size=block_size, draft_vocab_size=size,
-                                               feature_input=feature_input, context_tokens=context_tokens,
-                                               known_token_input=known_token_input)
+    config = BlockDiffusionConfig.for_verifier(model, block_size=block_size, draft_vocab_size=size)
     torch.manual_seed(seed)
     drafter_model = BlockDiffusionModel(config)
     with torch.no_grad():
         drafter_model.mask_embedding.normal_()
         drafter_model.draft_vocab.copy_(torch.randperm(vocab)[:size].sort().values)
-    return BlockDiffusionDrafter(drafter_model, model, **kwargs)
+    block = BlockDiffusionDrafter(drafter_model, model, **kwargs)
+    if not lookup_ngram and ngram_store is None:
+        return block
+    lookup = PromptLookupDrafter(max_ngram=lookup_max_ngram, min_ngram=lookup_ngram,
+                                 max_draft_len=block.max_draft_len if lookup_tokens is None else lookup_tokens,
+                                 ngram_store=ngram_store, store_min_n=store_min_n, prefer_store=prefer_store,
+                                 verifier=model)  # fmt: skip
+    return ChainDrafter([lookup, block])
 
 
 def ngram_store_for(model, seed: int, own_answers: bool) -> NgramStore:
@@ -162,7 +171,7 @@ def drafters_for(draw, model, eos_token_id: int | None):
             model, seed, draft_vocab_size=draw(st.sampled_from([None, vocab // 2])), block_size=draw(st.integers(2, 9)),
             steps=draw(st.integers(1, 3)), threshold=draw(st.sampled_from([0.0, 0.5, 1.0])),
             lookup_ngram=lookup_ngram, lookup_tokens=draw(st.sampled_from([None, 3, 12])) if lookup_ngram or store else None,
-            known_token_input=draw(st.booleans()), ngram_store=store, store_min_n=draw(st.integers(1, 3)),
+            ngram_store=store, store_min_n=draw(st.integers(1, 3)),
             lookup_max_ngram=draw(st.sampled_from([3, 32])), prefer_store=draw(st.sampled_from([None, 0.5])) if store else None,
         )  # fmt: skip
     return None

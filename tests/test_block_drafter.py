@@ -10,8 +10,9 @@ import pytest
 import torch
 from transformers import LogitsProcessorList
 
-from drafters import BlockDiffusionDrafter, DraftContext
-from drafters.block_diffusion import CONFIG_NAME, WEIGHTS_NAME, frozen_verifier_parts, load_model
+from drafters import BlockDiffusionDrafter, ChainDrafter, Draft, DraftContext, PromptLookupDrafter
+from drafters.block_diffusion import CONFIG_NAME, CONTEXT, WEIGHTS_NAME, frozen_verifier_parts, load_model
+from drafters.ngram_store import NgramStore
 from drafters.training.batches import VocabMap, block_batch, block_targets
 from drafters.training.distill import build_features
 from drafters.training.estimate import accepted_lengths, greedy_block_drafts
@@ -45,7 +46,7 @@ def drafting_logits(verifier, drafter, ids: torch.Tensor, anchor: int, block=Non
     """What the drafter computes at draft time for `anchor`: the verifier has run ids[:anchor] only."""
     v = Verifier(verifier, hidden_layers=drafter.hidden_layers)
     v.prefill(ids[None, :anchor], None, capacity=64)
-    ctx = DraftContext(ids[None, : anchor + 1], 0, False, LogitsProcessorList(), None, v)
+    ctx = DraftContext(ids[None, : anchor + 1], False, LogitsProcessorList(), None, v)
     drafter.reset(ctx)
     if block is None:
         block = torch.zeros(BLOCK, dtype=torch.long)
@@ -62,14 +63,10 @@ def training_logits(drafter, verifier, store, anchors, rng=None, reveal_prob=0.0
         return block_forward(drafter.model, embed, head, batch)[0], batch
 
 
-@pytest.mark.parametrize("feature_input", [False, True])
-@pytest.mark.parametrize("context_tokens", [False, True])
-def test_training_computes_what_drafting_computes(world, feature_input, context_tokens):
+def test_training_computes_what_drafting_computes(world):
     """Many anchors trained at once under the block mask give, per anchor, exactly the logits the drafter
     produces at draft time, when the verifier has states only up to the token before the anchor."""
-    verifier, _, store = world
-    drafter = random_block_drafter(verifier, seed=0, block_size=BLOCK, feature_input=feature_input,
-                                   context_tokens=context_tokens)
+    verifier, drafter, store = world
     ids = torch.tensor(store.sequence(0)["ids"], dtype=torch.long)
     anchors = [5, 12, 20, 27]
     trained, _ = training_logits(drafter, verifier, store, anchors)
@@ -94,8 +91,8 @@ def test_a_block_never_sees_later_context_or_other_blocks(world):
 
 
 def test_context_rows_follow_a_rollback(world):
-    """The drafter's projected context lives in the verifier's shared cache: a rollback cuts it back with
-    the verifier's rows, so after continuing differently the drafter recomputes exactly the rows whose
+    """The drafter's projected context is a side buffer of the verifier's shared cache: a rollback cuts it back
+    with the verifier's rows, so after continuing differently the drafter recomputes exactly the rows whose
     tokens changed and computes what a fresh verifier and drafter compute."""
     verifier, drafter, store = world
     ids = torch.tensor(store.sequence(1)["ids"], dtype=torch.long)
@@ -109,14 +106,14 @@ def test_context_rows_follow_a_rollback(world):
 
     v = Verifier(verifier, hidden_layers=drafter.hidden_layers)
     v.prefill(ids[None, :24], None, capacity=64)
-    drafter.block_logits(DraftContext(ids[None, :25], 0, False, LogitsProcessorList(), None, v), *block_for(ids, 24))
-    assert v.cache.drafter_lengths == [24]
+    drafter.block_logits(DraftContext(ids[None, :25], False, LogitsProcessorList(), None, v), *block_for(ids, 24))
+    assert v.cache.side_lengths[CONTEXT] == [24]
     v.rollback(24 - 15)  # back to ids[:15], which other shares
-    assert v.cache.drafter_lengths == [15]
+    assert v.cache.side_lengths[CONTEXT] == [15]
     v.verify(other[None, 15:22])
-    ctx = DraftContext(other[None, :23], 0, False, LogitsProcessorList(), None, v)
+    ctx = DraftContext(other[None, :23], False, LogitsProcessorList(), None, v)
     reused = drafter.block_logits(ctx, *block_for(other, 22))
-    assert v.cache.drafter_lengths == [22]
+    assert v.cache.side_lengths[CONTEXT] == [22]
     torch.testing.assert_close(reused, drafting_logits(verifier, drafter, other, 22))
 
 
@@ -131,7 +128,7 @@ def test_rows_drafted_together_equal_rows_drafted_alone(world, static):
     def contexts(static):
         v = Verifier(verifier, hidden_layers=drafter.hidden_layers, static=static, max_width=BLOCK)
         v.prefill_rows([seq[:-1] for seq in seqs], capacity=64)
-        return [DraftContext(seq[None], 0, False, LogitsProcessorList(), None, v, row=r) for r, seq in enumerate(seqs)]
+        return [DraftContext(seq[None], False, LogitsProcessorList(), None, v, row=r) for r, seq in enumerate(seqs)]
 
     ctxs, reference = contexts(static), contexts(static=False)
     together = drafter.propose_rows([drafter] * 3, ctxs, [5, 3, 5])
@@ -146,11 +143,9 @@ def test_rows_drafted_together_equal_rows_drafted_alone(world, static):
                                torch.stack([drafter.block_logits(c, b, k) for c, b, k in zip(reference, blocks, knowns)]))  # fmt: skip
 
 
-@pytest.mark.parametrize("known_token_input", [False, True])
-def test_known_positions_condition_the_block_as_in_training(world, known_token_input):
+def test_known_positions_condition_the_block_as_in_training(world):
     """A block with some positions given (a later denoising pass, a lookup prefix) computes the same in both paths."""
-    verifier, _, store = world
-    drafter = random_block_drafter(verifier, seed=0, block_size=BLOCK, known_token_input=known_token_input)
+    verifier, drafter, store = world
     ids = torch.tensor(store.sequence(0)["ids"], dtype=torch.long)
     _, batch = training_logits(drafter, verifier, store, [9])
     batch["known"][0, 0, 1:3] = True
@@ -162,22 +157,18 @@ def test_known_positions_condition_the_block_as_in_training(world, known_token_i
     torch.testing.assert_close(drafting_logits(verifier, drafter, ids, 9, block, known), trained[0], atol=1e-3, rtol=1e-3)
 
 
-def test_known_token_input_reads_the_nearest_known_token_at_its_distance(world):
-    verifier, _, _ = world
-    model = random_block_drafter(verifier, seed=0, block_size=BLOCK, known_token_input=True).model
+def test_a_masked_position_reads_the_anchor_at_its_block_index(world):
+    _, drafter, _ = world
+    model = drafter.model
     embeds = torch.randn(BLOCK, model.config.hidden_size)
     last = torch.randn(model.config.hidden_size)
-    first_pass = torch.arange(BLOCK) == 0
-    inputs = model.block_inputs(embeds, first_pass, last)
-    gate = model.feature_gate * last
-    # A first pass: every masked position reads the anchor at its block index, as without the option.
-    torch.testing.assert_close(inputs[3], model.mask_embedding[3] + embeds[0] + gate)
-    # Positions 1-2 known (and 4): position 3 reads token 2 at distance 1, position 5 token 4 at distance 1.
     known = torch.tensor([True, True, True, False, True, False])
-    inputs = model.block_inputs(embeds, known, last)
-    torch.testing.assert_close(inputs[3], model.mask_embedding[1] + embeds[2] + gate)
-    torch.testing.assert_close(inputs[5], model.mask_embedding[1] + embeds[4] + gate)
-    torch.testing.assert_close(inputs[2], embeds[2] + gate)  # a known position is its own token
+    with torch.no_grad():
+        inputs = model.block_inputs(embeds, known, last)
+        gate = model.feature_gate * last  # the fused feature of the token before the anchor, in every position
+        torch.testing.assert_close(inputs[3], model.mask_embedding[3] + embeds[0] + gate)
+        torch.testing.assert_close(inputs[5], model.mask_embedding[5] + embeds[0] + gate)
+        torch.testing.assert_close(inputs[2], embeds[2] + gate)  # a known position is its own token
 
 
 def test_block_targets_are_exact_only_along_the_greedy_chain():
@@ -236,17 +227,41 @@ def test_a_lookup_match_longer_than_the_block_is_proposed_whole(world):
     ids = torch.tensor([7, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11, 7])  # the last token, 7, was seen before: 1, 2, ... followed it
     v = Verifier(verifier, hidden_layers=(1,))
     v.prefill(ids[None, :-1], None, capacity=64)
-    ctx = DraftContext(ids[None], 0, False, LogitsProcessorList(), None, v)
+    ctx = DraftContext(ids[None], False, LogitsProcessorList(), None, v)
     long = random_block_drafter(verifier, seed=0, block_size=4, lookup_ngram=1, lookup_tokens=9)
     short = random_block_drafter(verifier, seed=0, block_size=4, lookup_ngram=1)
     assert long.max_draft_len == 9 and short.max_draft_len == 3
     assert long.propose(ctx, 9).tokens.tolist() == [1, 2, 3, 4, 5, 6, 8, 9, 10]
     assert long.propose(ctx, 5).tokens.tolist() == [1, 2, 3, 4, 5]  # the scheduler's k still caps it
     assert short.propose(ctx, 9).tokens.tolist() == [1, 2, 3]
-    with pytest.raises(ValueError, match="lookup_tokens needs lookup_ngram >= 1 or an ngram_store"):
-        random_block_drafter(verifier, seed=0, lookup_tokens=9)
-    with pytest.raises(ValueError, match="lookup_tokens must be >= 1"):
-        random_block_drafter(verifier, seed=0, lookup_ngram=1, lookup_tokens=0)
+
+
+def test_the_block_model_fills_in_what_the_lookup_leaves():
+    """In the chain, a lookup shorter than the block gives the first positions and the model the rest, exactly as
+    the model drafts a block with those positions known; one as long as the block leaves the model nothing to do."""
+    verifier = tiny_model("llama", VOCAB, 1, seed=4)
+    block = random_block_drafter(verifier, seed=0, block_size=6)
+    chain = ChainDrafter([PromptLookupDrafter(max_ngram=3, max_draft_len=5), block])
+    ids = torch.tensor([5, 3, 4, 8, 9, 3, 4])  # "3, 4" was followed by 8, 9, 3, 4: a 2-token match (confidence 2/3)
+    v = Verifier(verifier, hidden_layers=block.hidden_layers)
+    v.prefill(ids[None, :-1], None, capacity=64)
+    ctx = DraftContext(ids[None], False, LogitsProcessorList(), None, v)
+    assert chain.max_draft_len == 5 and chain.hidden_layers == block.hidden_layers
+    given = Draft(torch.tensor([8, 9]), confidence=torch.tensor([2 / 3, 2 / 3]))
+    block_tokens = torch.cat([ids[-1:], given.tokens, torch.zeros(3, dtype=torch.long)])
+    logits = block.block_logits(ctx, block_tokens, torch.arange(BLOCK) < 3)
+    draft = chain.propose(ctx, 2)  # the lookup reaches as far as asked: the model adds nothing
+    assert draft.tokens.tolist() == [8, 9]
+    draft = chain.propose(ctx, 5)  # asked for more: the lookup gives 4 (8, 9, 3, 4), the model the fifth
+    assert draft.tokens[:4].tolist() == [8, 9, 3, 4] and len(draft) == 5
+    assert draft.confidence[:4].tolist() == pytest.approx([2 / 3] * 4)
+    filled = block.fill(ctx, given, 5)  # the model alone, given two
+    assert filled.tokens[:2].tolist() == [8, 9]
+    assert filled.tokens[2:].tolist() == block.model.draft_vocab[logits[2:].argmax(-1)].tolist()
+    with pytest.raises(ValueError, match="different vocabularies"):
+        ChainDrafter([PromptLookupDrafter(ngram_store=NgramStore.build([([1, 2], 0)], VOCAB + 1), min_ngram=0), block])
+    with pytest.raises(TypeError, match="list of drafters.Drafter"):
+        ChainDrafter([block, "lookup"])
 
 
 @pytest.mark.parametrize("chosen", [1, 2, 3])
@@ -282,14 +297,14 @@ def test_training_runs_and_resumes_exactly(world, tmp_path, arch):
         BlockDiffusionDrafter.from_pretrained(tmp_path / "a-out", verifier)
 
 
-def test_training_can_start_from_a_checkpoint_and_switch_on_known_token_input(world, tmp_path):
+def test_training_can_start_from_a_checkpoint(world, tmp_path):
     verifier, drafter, store = world
     drafter.save_pretrained(tmp_path / "base")
-    args = parser().parse_args(["--init-from", str(tmp_path / "base"), "--known-token-input", "--steps", "1",
+    args = parser().parse_args(["--init-from", str(tmp_path / "base"), "--steps", "1",
                                 "--seqs-per-step", "2", "--anchors-per-seq", "4", "--eval-every", "1", "--lr", "0"])
     train(args, verifier, store, tmp_path / "out", tmp_path / "run")
     tuned = BlockDiffusionDrafter.from_pretrained(tmp_path / "out", verifier)
-    assert tuned.model.config.known_token_input and tuned.model.config.block_size == BLOCK
+    assert tuned.model.config.block_size == BLOCK
     # lr 0: the weights are the checkpoint's (saved in bfloat16), the draft vocabulary and feature statistics too.
     for (name, a), (_, b) in zip(drafter.model.state_dict().items(), tuned.model.state_dict().items()):
         torch.testing.assert_close(a.to(torch.bfloat16).to(a.dtype), b, msg=name)
@@ -302,7 +317,11 @@ def test_the_held_out_estimate_scores_what_the_drafter_proposes(world, passes):
     """The estimate of the training logs and experiments.heldout drafts, anchor by anchor, exactly the tokens the
     drafter proposes at draft time with one more leading position fixed per pass (threshold 1)."""
     verifier, _, store = world
-    drafter = random_block_drafter(verifier, seed=3, block_size=BLOCK, steps=passes, threshold=1.0, known_token_input=True)
+    drafter = random_block_drafter(verifier, seed=3, block_size=BLOCK, steps=passes, threshold=1.0)
+    with torch.no_grad():  # what attention carries made loud: a random block model's fixed positions then matter
+        for layer in drafter.model.layers:
+            layer.v_proj.weight.mul_(10)
+            layer.o_proj.weight.mul_(3)
     ids = torch.tensor(store.sequence(0)["ids"], dtype=torch.long)
     anchors = [5, 12, 20, 27]
     _, batch = training_logits(drafter, verifier, store, anchors)
@@ -312,7 +331,7 @@ def test_the_held_out_estimate_scores_what_the_drafter_proposes(world, passes):
     for j, a in enumerate(anchors):
         v = Verifier(verifier, hidden_layers=drafter.hidden_layers)
         v.prefill(ids[None, :a], None, capacity=64)
-        ctx = DraftContext(ids[None, : a + 1], 0, False, LogitsProcessorList(), None, v)
+        ctx = DraftContext(ids[None, : a + 1], False, LogitsProcessorList(), None, v)
         drafter.reset(ctx)
         assert drafter.propose(ctx, BLOCK - 1).tokens.tolist() == drafted[j].tolist()
     if passes > 1:  # the passes matter: one pass drafts otherwise

@@ -8,7 +8,7 @@ import re
 import pytest
 
 import hybrid
-from drafters import BlockDiffusionDrafter
+from drafters import BlockDiffusionDrafter, ChainDrafter, PromptLookupDrafter
 from hybrid.cli import main as cli_main
 from hybrid.testing import check_greedy_lossless
 from schedulers import FixedScheduler
@@ -33,8 +33,10 @@ def test_load_default_is_smollm2_with_the_shipped_block_drafter(default):
     model, tokenizer, drafter = default
     assert model.config.vocab_size == len(tokenizer) == 49152
     assert model.config.num_hidden_layers == 30
-    assert isinstance(drafter, BlockDiffusionDrafter)  # its fingerprint check passed against this verifier
-    assert drafter.lookup_ngram == 1
+    lookup, block = drafter.sources
+    assert isinstance(drafter, ChainDrafter) and isinstance(lookup, PromptLookupDrafter)
+    assert isinstance(block, BlockDiffusionDrafter)  # its fingerprint check passed against this verifier
+    assert lookup.min_ngram == 1 and lookup.ngram_store is not None
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
@@ -42,7 +44,7 @@ def test_load_default_is_smollm2_with_the_shipped_block_drafter(default):
 def test_real_verifier_greedy_is_lossless(default, prompt, lookup):
     model, tokenizer, drafter = default
     if not lookup:  # the model alone: every draft token comes from the block-diffusion pass
-        drafter = BlockDiffusionDrafter(drafter.model, model)
+        drafter = drafter.sources[-1]
     scheduler = FixedScheduler(drafter.max_draft_len)
     report = check_greedy_lossless(model, encode_prompt(tokenizer, prompt), drafter, scheduler, max_new_tokens=96)
     assert report.near_tie_at is None, f"near tie at new token {report.near_tie_at}"

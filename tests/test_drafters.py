@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -71,6 +74,12 @@ def test_lookup_options_are_checked():
     store = NgramStore.build([([1, 2, 3], 0)], vocab_size=8, max_n=2, min_count=1)
     with pytest.raises(ValueError, match="prefer_store"):
         PromptLookupDrafter(ngram_store=store, prefer_store=1.5)
+    with pytest.raises(ValueError, match="min_ngram=0 .* needs an ngram_store"):
+        PromptLookupDrafter(min_ngram=0)  # no context match and no store: nothing to draft from
+    with pytest.raises(ValueError, match="need 0 <= min_ngram <= max_ngram"):
+        PromptLookupDrafter(min_ngram=4, max_ngram=3)
+    with pytest.raises(ValueError, match="max_draft_len must be >= 1"):
+        PromptLookupDrafter(max_draft_len=0)
 
 
 def test_oracle_drafter_reaches_the_ceiling():
@@ -100,3 +109,31 @@ def test_heuristic_scheduler_grows_on_success_and_shrinks_on_failure():
     assert s.max_draft_length() == 7
     s.update(draft(0), 0, 0.0, 0.1)  # nothing drafted: no evidence
     assert s.max_draft_length() == 7
+
+
+def recorded_drafts_module():
+    """tests/data/record_default_drafts.py, which recorded tests/data/default_drafts.json (and replays it here)."""
+    path = Path(__file__).parent / "data" / "record_default_drafts.py"
+    spec = importlib.util.spec_from_file_location("record_default_drafts", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_the_default_drafter_proposes_the_recorded_drafts():
+    """`hybrid.load_default()`'s drafter, asked the recorded calls (the same prompts, greedy, every draft verified),
+    proposes the very drafts recorded from it: token for token, confidences within 1e-4."""
+    recorder = recorded_drafts_module()
+    recorded = json.loads(recorder.OUT.read_text())
+    model, tokenizer, drafter = hybrid.load_default()
+    replayed = recorder.record(model, tokenizer, drafter, recorder.dev_prompts())
+    runs = [(f"prompt {i}", calls) for i, calls in enumerate(replayed["single"])] + [("batch", replayed["batch"])]
+    expected = recorded["single"] + [recorded["batch"]]
+    for (name, calls), want in zip(runs, expected, strict=True):
+        assert len(calls) == len(want), name
+        for step, (rows, want_rows) in enumerate(zip(calls, want)):
+            for row, (got, exp) in enumerate(zip(rows, want_rows, strict=True)):
+                where = f"{name}, call {step}, row {row}"
+                assert got[:3] == exp[:3], where  # committed length, tokens asked, tokens drafted
+                assert max((abs(a - b) for a, b in zip(got[3], exp[3], strict=True)), default=0) <= 1, where

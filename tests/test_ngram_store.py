@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import LogitsProcessorList
 
-from drafters import PromptLookupDrafter
+from drafters import ChainDrafter, PromptLookupDrafter
 from drafters.base import DraftContext
 from drafters.block_diffusion import verifier_fingerprint
 from drafters.ngram_store import CONFIG_NAME, TABLES_NAME, NgramStore
@@ -100,7 +100,7 @@ def test_bad_stores_are_refused_with_the_fix(tmp_path):
 def test_a_store_of_another_verifier_is_refused():
     verifier, other = tiny_model("llama", VOCAB, 1, seed=0), tiny_model("llama", VOCAB, 1, seed=1)
     with pytest.raises(ValueError, match="built from another verifier's answers .*python -m drafters.training.ngram_build"):
-        random_block_drafter(verifier, seed=0, lookup_ngram=1, ngram_store=ngram_store_for(other, 0, own_answers=False))
+        PromptLookupDrafter(ngram_store=ngram_store_for(other, 0, own_answers=False), verifier=verifier)
     wrong_vocab = NgramStore.build([([1, 2, 1, 2], 0)], vocab_size=VOCAB + 16, max_n=2, min_count=1)
     with pytest.raises(ValueError, match="vocab"):
         check_greedy_lossless(verifier, torch.tensor([[1, 2, 3]]), PromptLookupDrafter(ngram_store=wrong_vocab),
@@ -114,18 +114,23 @@ def test_the_store_continues_the_context_match_then_the_model_fills_the_block():
     ids = torch.tensor([5, 30, 9, 30])  # 30 was followed by 9 here; the store knows 9 -> nothing, 30 -> 31 -> ...
     v = Verifier(verifier, hidden_layers=(1,))
     v.prefill(ids[None, :-1], None, capacity=64)
-    ctx = DraftContext(ids[None], 0, False, LogitsProcessorList(), None, v)
+    ctx = DraftContext(ids[None], False, LogitsProcessorList(), None, v)
     context_only = random_block_drafter(verifier, seed=0, block_size=8, lookup_ngram=1)
     with_store = random_block_drafter(verifier, seed=0, block_size=8, lookup_ngram=1, ngram_store=store, store_min_n=1)
-    assert context_only.lookup(ids)[0].tolist() == [9, 30]  # the context match: what followed 30 last time
-    tokens, confidence = with_store.lookup(ids)
-    assert tokens.tolist() == [9, 30, 31, 32, 33, 34, 35]  # then the store: 30 -> 31 -> ... up to the block's 7
-    assert confidence.tolist() == pytest.approx([1 / 2, 1 / 2, 1, 1, 1, 1, 1])  # a 1-token match: 1 / (1 + 1)
-    assert with_store.propose(ctx, 7).tokens.tolist() == tokens.tolist()
+    assert isinstance(with_store, ChainDrafter)  # the lookup (continued by the store), then the block model
+    assert context_only.sources[0].propose(ctx, 7).tokens.tolist() == [9, 30]  # what followed 30 last time
+    lookup = with_store.sources[0].propose(ctx, 7)
+    assert lookup.tokens.tolist() == [9, 30, 31, 32, 33, 34, 35]  # then the store: 30 -> 31 -> ... up to the block's 7
+    assert lookup.confidence.tolist() == pytest.approx([1 / 2, 1 / 2, 1, 1, 1, 1, 1])  # a 1-token match: 1 / (1 + 1)
+    assert with_store.propose(ctx, 7).tokens.tolist() == lookup.tokens.tolist()
     assert context_only.fingerprint != with_store.fingerprint  # schedulers calibrate them apart
     no_store_hit = random_block_drafter(verifier, seed=0, block_size=8, lookup_ngram=1, ngram_store=store, store_min_n=2)
     draft = no_store_hit.propose(ctx, 7)  # [30, 9] and [9, 30] are unknown bigrams: the model fills positions 3..7
     assert draft.tokens[:2].tolist() == [9, 30] and len(draft) == 7
+    store_alone = random_block_drafter(verifier, seed=0, block_size=8, ngram_store=store, store_min_n=1)
+    assert store_alone.sources[0].min_ngram == 0  # no context match: the store continues the context itself
+    draft = store_alone.propose(ctx, 7)  # 30 -> 31 -> ... -> 36, which nothing follows: the model drafts the 7th
+    assert draft.tokens[:6].tolist() == [31, 32, 33, 34, 35, 36] and len(draft) == 7
 
 
 @pytest.mark.parametrize("own_answers", [True, False])

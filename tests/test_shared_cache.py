@@ -10,10 +10,10 @@ from transformers import DynamicCache
 
 import hybrid
 import verifiers.cache as cache_module
-import verifiers.verifier as verifier_module
 from drafters import PromptLookupDrafter
 from verifiers.cache import CacheMemoryError, SharedCache
 from strategies import padded_batches, tiny_model, verifiers
+from verifiers.cache import row_mask_problem
 from verifiers import Verifier
 
 PROPERTY = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -27,9 +27,11 @@ def test_rollback_leaves_every_row_equal_to_a_fresh_prefill(data):
     model = data.draw(verifiers(), label="verifier")
     vocab = model.config.vocab_size
     token = st.integers(0, vocab - 1)
+    per_row_masks = row_mask_problem(model) is None  # else one row per forward, and no static layout
     rows = [torch.tensor(data.draw(st.lists(token, min_size=1, max_size=8), label="prompt"))
-            for _ in range(data.draw(st.integers(1, 3), label="rows"))]  # fmt: skip
-    static = data.draw(st.booleans(), label="static")  # static: every slot read through the mask, verifies padded
+            for _ in range(data.draw(st.integers(1, 3 if per_row_masks else 1), label="rows"))]  # fmt: skip
+    # static: every slot read through the mask, verifies padded
+    static = per_row_masks and data.draw(st.booleans(), label="static")
     verifier = Verifier(model, hidden_layers=(0, -1), static=static, max_width=5)
     verifier.prefill_rows(rows, capacity=4)  # small on purpose: the dynamic cache must grow
     committed = [row.clone() for row in rows]
@@ -57,11 +59,39 @@ def test_rollback_leaves_every_row_equal_to_a_fresh_prefill(data):
         torch.testing.assert_close(logits[b], out.logits[0, -1].float(), atol=1e-4, rtol=1e-4)
 
 
+def test_side_buffers_roll_back_leave_and_grow_with_the_rows():
+    """A side buffer's valid length per row is cut back by a rollback, follows the rows a batch keeps and survives
+    growth with its contents, as the keys/values do; the kept hidden states are one, valid for every cached token."""
+    verifier = Verifier(tiny_model("llama", 48, 1, seed=0), hidden_layers=(1,))
+    verifier.prefill_rows([torch.tensor([1, 2, 3]), torch.tensor([4, 5])], capacity=4)
+    cache = verifier.cache
+    buffer = cache.side_buffer("state", (2,), torch.float32, "cpu")
+    assert buffer.shape == (2, 4, 2) and [cache.side_length("state", r) for r in (0, 1)] == [0, 0]
+    buffer[0, :3], buffer[1, :2] = 1.0, 2.0
+    cache.mark_computed("state", 0, 3)
+    cache.mark_computed("state", 1, 2)
+    with pytest.raises(ValueError, match="side state 'state' for 3 tokens of row 1, which caches 2"):
+        cache.mark_computed("state", 1, 3)
+    with pytest.raises(ValueError, match="side buffer 'state' holds"):
+        cache.side_buffer("state", (3,), torch.float32, "cpu")
+    verifier.verify_rows(torch.tensor([[6, 7, 8], [9, 10, 11]]))  # 6 slots needed: the buffers grow
+    grown = cache.side_buffer("state", (2,), torch.float32, "cpu")
+    assert grown.shape[1] == cache.capacity > 4 and bool((grown[0, :3] == 1).all()) and bool((grown[1, :2] == 2).all())
+    assert cache.side_lengths == {"hidden": [6, 5], "state": [3, 2]}
+    verifier.rollback_rows([4, 1])
+    assert cache.lengths == [2, 4] and cache.side_lengths == {"hidden": [2, 4], "state": [2, 2]}
+    assert verifier.hidden_states(1).shape == (1, 4, 32)
+    verifier.select_rows([1])
+    assert cache.side_lengths == {"hidden": [4], "state": [2]}
+    assert bool((cache.side_buffer("state", (2,), torch.float32, "cpu")[0, :2] == 2).all())
+
+
 @PROPERTY
 @given(data=st.data())
 def test_finished_rows_stop_costing_work(data):
-    """Every row is in exactly as many verifier forwards as it took steps: a finished row is never fed again."""
-    model = data.draw(verifiers(), label="verifier")
+    """Every row is in exactly as many verifier forwards as it took steps: a finished row is never fed again
+    (models that take per-row masks; the others decode row by row, below)."""
+    model = data.draw(verifiers().filter(lambda m: row_mask_problem(m) is None), label="verifier")
     vocab = model.config.vocab_size
     input_ids, mask, rows = data.draw(padded_batches(vocab, pad=0), label="batch")
     eos = data.draw(st.integers(1, vocab - 1), label="eos")  # rows stop at different steps
@@ -91,7 +121,7 @@ def test_without_per_row_masks_rows_run_one_at_a_time(monkeypatch):
     mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
     kwargs = dict(attention_mask=mask, drafter=PromptLookupDrafter(), max_new_tokens=12, do_sample=False, pad_token_id=0)
     batched = hybrid.generate(model, input_ids, **kwargs)
-    monkeypatch.setattr(verifier_module, "MASKED_ATTENTION", ())
+    monkeypatch.setattr(cache_module, "MASKED_ATTENTION", ())
     assert not Verifier(model).batches
     assert torch.equal(hybrid.generate(model, input_ids, **kwargs), batched)
 

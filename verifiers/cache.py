@@ -4,10 +4,13 @@ Row b's token at position p lives in slot p of every layer; prompts enter withou
 so a slot index is a position. A forward writes its q tokens at slots `lengths[b] .. lengths[b]+q-1`
 of each row and attends through a mask built from the lengths, so rows of different lengths share one
 batched forward. **Rollback** is moving a row's length back (as in gpt-fast): nothing is copied or
-recomputed, the rejected drafts' slots are overwritten by the next forward. The verifier's hidden
-states that a drafter conditions on are kept the same way, so they roll back with the keys/values,
-and so is a drafter's own per-token state derived from them (`drafter_state`: the block drafter's
-projected context keys/values), valid per row up to `drafter_lengths`, which a rollback cuts back.
+recomputed, the rejected drafts' slots are overwritten by the next forward.
+
+**Side buffers** hold other per-token state the same way, slot p for position p: named tensors
+[rows, capacity, *per_token] with a valid length per row, which a rollback cuts back, `select_rows`
+selects and growth widens, as it does the keys/values. The verifier's kept hidden states are one
+(`HIDDEN`, valid for every cached token); a drafter keeps its own per-token state in others (the block
+drafter's projected context keys/values), valid up to what it marked computed.
 
 **Static shapes** (`static=True`, `cache_implementation="static"`): every forward reads all `capacity`
 slots through the mask and writes through an index tensor, so a forward of q tokens has the same shapes
@@ -24,6 +27,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and
 # build their own causal mask, which is right only when every row has the same length.
 MASKED_ATTENTION = ("eager", "sdpa")
 LAYER_TYPES = ("full_attention", "sliding_attention")
+HIDDEN = "hidden"  # the side buffer of the verifier's kept hidden states
 
 
 class CacheMemoryError(MemoryError):
@@ -73,7 +77,7 @@ class _RowLayer(CacheLayerMixin):
 
 
 class SharedCache(Cache):
-    """The verifier's keys/values for every row, plus the verifier hidden states a drafter reads.
+    """The verifier's keys/values for every row, plus side buffers: its kept hidden states and a drafter's state.
 
     Args:
         model: the verifier (its config gives the layers and attention pattern).
@@ -94,11 +98,10 @@ class SharedCache(Cache):
         self.layer_types, self.window = attention_pattern(text)
         self.owner_fingerprint = cache_fingerprint(model)
         check_fits(model, batch_size, self.capacity, hidden_width)
-        # Hidden states live where the drafter reads them: by the head (the last GPU under device_map="auto").
-        head = model.get_output_embeddings().weight.device
-        self.hidden = None if not hidden_width else self.allocate((batch_size, self.capacity, hidden_width), model.dtype, head)
-        self.drafter_state: dict[str, torch.Tensor] = {}  # name -> [rows, capacity, ...], see `drafter_buffer`
-        self.drafter_lengths = [0] * batch_size  # tokens whose drafter state is computed, per row
+        self.side: dict[str, torch.Tensor] = {}  # name -> [rows, capacity, *per_token], see `side_buffer`
+        self.side_lengths: dict[str, list[int]] = {}  # name -> its valid tokens per row
+        if hidden_width:  # where the drafter reads them: by the head (the last GPU under device_map="auto")
+            self.side_buffer(HIDDEN, (hidden_width,), model.dtype, model.get_output_embeddings().weight.device)
         self._write_index: torch.Tensor | None = None  # [rows, q] slots of the forward in flight
         self._write_start: int | None = None  # their common first slot, when every row starts at the same one
         self.end = 0  # slots attention reads this forward: max(lengths) + q
@@ -134,9 +137,7 @@ class SharedCache(Cache):
             for layer in self.layers:  # layers not yet initialised are allocated at the new capacity
                 if layer.is_initialized:
                     layer.keys, layer.values = self.grow(layer.keys, 2), self.grow(layer.values, 2)
-            if self.hidden is not None:
-                self.hidden = self.grow(self.hidden, 1)
-            self.drafter_state = {name: self.grow(buffer, 1) for name, buffer in self.drafter_state.items()}
+            self.side = {name: self.grow(buffer, 1) for name, buffer in self.side.items()}
 
     # -- one forward: where it writes, what it may see -------------------------------------------------
 
@@ -185,9 +186,11 @@ class SharedCache(Cache):
 
     def commit(self, q: int, hidden: torch.Tensor | None = None) -> None:
         """After the forward: every row now holds its q fed tokens (rollback drops the rejected ones)."""
-        if hidden is not None and self.hidden is not None:
-            self.write(self.hidden, hidden, dim=1)
+        if hidden is not None and HIDDEN in self.side:
+            self.write(self.side[HIDDEN], hidden, dim=1)
         self.lengths = [n + q for n in self.lengths]
+        if HIDDEN in self.side:
+            self.side_lengths[HIDDEN] = list(self.lengths)
         self._write_index, self._write_start = None, None
 
     # -- rollback and finished rows ------------------------------------------------------------------
@@ -197,47 +200,59 @@ class SharedCache(Cache):
         if len(drop) != len(self.lengths) or any(not 0 <= d <= n for d, n in zip(drop, self.lengths)):
             raise ValueError(f"cannot roll back {drop} tokens of rows holding {self.lengths}")
         self.lengths = [n - d for n, d in zip(self.lengths, drop)]
-        # Drafter state computed from tokens that were just dropped is stale: recomputed on the next draft.
-        self.drafter_lengths = [min(m, n) for m, n in zip(self.drafter_lengths, self.lengths)]
+        # Side state of tokens that were just dropped is stale (a drafter recomputes it on its next draft).
+        self.side_lengths = {name: [min(m, n) for m, n in zip(valid, self.lengths)]
+                             for name, valid in self.side_lengths.items()}
 
     def select_rows(self, rows: list[int]) -> None:
         """Keep only `rows` (in this order), e.g. drop finished ones so they stop costing work."""
         index = torch.tensor(rows, dtype=torch.long, device=self.device)
         for layer in self.layers:
             layer.batch_select_indices(index)
-        if self.hidden is not None:
-            self.hidden = self.hidden[index.to(self.hidden.device)]
-        self.drafter_state = {name: b[index.to(b.device)] for name, b in self.drafter_state.items()}
+        self.side = {name: b[index.to(b.device)] for name, b in self.side.items()}
         self.lengths = [self.lengths[r] for r in rows]
-        self.drafter_lengths = [self.drafter_lengths[r] for r in rows]
+        self.side_lengths = {name: [valid[r] for r in rows] for name, valid in self.side_lengths.items()}
         if self.static:  # the selected rows are new buffers: fixed addresses again
             for buffer in self.buffers():
                 torch._dynamo.mark_static_address(buffer)
 
     def buffers(self) -> list[torch.Tensor]:
-        """Every allocated tensor: keys and values per layer, kept hidden states, drafter state."""
+        """Every allocated tensor: keys and values per layer, then the side buffers."""
         kv = [t for layer in self.layers if layer.is_initialized for t in (layer.keys, layer.values)]
-        return kv + ([] if self.hidden is None else [self.hidden]) + list(self.drafter_state.values())
+        return kv + list(self.side.values())
 
     # -- reading -------------------------------------------------------------------------------------
 
     def hidden_states(self, row: int) -> torch.Tensor | None:
         """Kept hidden states of row `row`'s cached tokens: [1, lengths[row], width]."""
-        return None if self.hidden is None else self.hidden[row : row + 1, : self.lengths[row]]
+        if HIDDEN not in self.side:
+            return None
+        return self.side[HIDDEN][row : row + 1, : self.side_length(HIDDEN, row)]
 
-    def drafter_buffer(self, name: str, per_token: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
-        """The drafter's buffer `name` [rows, capacity, *per_token] (allocated on first use): row b's slots
-        0 .. drafter_lengths[b] - 1 hold state for its tokens at those positions; the drafter writes the
-        rest and then calls `drafter_computed`."""
-        if name not in self.drafter_state:
-            self.drafter_state[name] = self.allocate((len(self.lengths), self.capacity, *per_token), dtype, device)
-        return self.drafter_state[name]
+    def side_buffer(self, name: str, per_token: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+        """The side buffer `name` [rows, capacity, *per_token], allocated on first use (valid for no token yet):
+        row b's slots 0 .. side_length(name, b) - 1 hold state of its tokens at those positions; its owner
+        writes the next slots and then calls `mark_computed`. Read it again after the cache grows."""
+        if name not in self.side:
+            self.side[name] = self.allocate((len(self.lengths), self.capacity, *per_token), dtype, device)
+            self.side_lengths[name] = [0] * len(self.lengths)
+        buffer = self.side[name]
+        if tuple(buffer.shape[2:]) != tuple(per_token) or buffer.dtype != dtype:
+            raise ValueError(f"side buffer {name!r} holds {tuple(buffer.shape[2:])} {buffer.dtype} per token, "
+                             f"not {tuple(per_token)} {dtype}")  # fmt: skip
+        return buffer
 
-    def drafter_computed(self, row: int, length: int) -> None:
-        """Row `row` now has drafter state for its first `length` tokens (at most the cached ones)."""
+    def side_length(self, name: str, row: int) -> int:
+        """Tokens of row `row` whose state side buffer `name` holds (0 before it is allocated)."""
+        return self.side_lengths[name][row] if name in self.side_lengths else 0
+
+    def mark_computed(self, name: str, row: int, length: int) -> None:
+        """Side buffer `name` now holds row `row`'s state for its first `length` tokens (at most the cached ones)."""
+        if name not in self.side:
+            raise KeyError(f"no side buffer {name!r}: allocate it with side_buffer first")
         if not 0 <= length <= self.lengths[row]:
-            raise ValueError(f"drafter state for {length} tokens of row {row}, which caches {self.lengths[row]}")
-        self.drafter_lengths[row] = length
+            raise ValueError(f"side state {name!r} for {length} tokens of row {row}, which caches {self.lengths[row]}")
+        self.side_lengths[name][row] = length
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.lengths[0] if self.lengths else 0

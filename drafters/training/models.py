@@ -48,12 +48,10 @@ def initial_block_model(args, verifier, store: FeatureStore, train_ids: list[int
     if start:
         model = load_model(args.init_from).float()
         check_fingerprint(model.config.verifier, verifier_fingerprint(verifier))
-        model.config.known_token_input = args.known_token_input or model.config.known_token_input
         config = model.config
     else:
         config = BlockDiffusionConfig.for_verifier(verifier, num_layers=args.layers, block_size=args.block_size,
-                                                   draft_vocab_size=args.draft_vocab, feature_input=args.feature_input,
-                                                   context_tokens=args.context_tokens, known_token_input=args.known_token_input)
+                                                   draft_vocab_size=args.draft_vocab)
     if tuple(store.layers) != tuple(config.target_layers):
         raise ValueError(f"features hold layers {store.layers}, the drafter needs {config.target_layers}: rebuild them")
     if start:
@@ -66,8 +64,7 @@ def initial_block_model(args, verifier, store: FeatureStore, train_ids: list[int
     model.draft_vocab.copy_(vocab)
     embedding_std = float(verifier.get_input_embeddings().weight.detach().std())
     model.mask_embedding.data.normal_(std=embedding_std)
-    if config.feature_input:  # fused features have unit RMS: start them at the embeddings' scale
-        model.feature_gate.data.fill_(embedding_std)
+    model.feature_gate.data.fill_(embedding_std)  # fused features have unit RMS: start them at the embeddings' scale
     shift, scale = feature_statistics(store, train_ids, args.seed)
     model.feature_shift.copy_(shift)
     model.feature_scale.copy_(scale)

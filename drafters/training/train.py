@@ -67,15 +67,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--anchors-per-seq", type=int, default=96)
     p.add_argument("--block-size", type=int, default=8, help="positions per block, anchor included")
     p.add_argument("--layers", type=int, default=1, help="drafter layers (block arch)")
-    p.add_argument("--feature-input", action=argparse.BooleanOptionalAction, default=True,
-                   help="add the fused verifier feature before the anchor to every block input (block arch)")
-    p.add_argument("--context-tokens", action=argparse.BooleanOptionalAction, default=True,
-                   help="add each context token's embedding to its fused verifier feature (block arch)")
-    p.add_argument("--known-token-input", action=argparse.BooleanOptionalAction, default=False,
-                   help="masked positions read the nearest known token to their left, not always the anchor (block arch)")
     p.add_argument("--init-from", type=Path, default=None,
-                   help="start from this block drafter checkpoint (its config, draft vocabulary and feature statistics; "
-                        "--known-token-input may switch that input on) instead of random weights")
+                   help="start from this block drafter checkpoint (its config, draft vocabulary and feature statistics) "
+                        "instead of random weights")
     p.add_argument("--draft-vocab", type=int, default=4096, help="size of the draft vocabulary (the head's rows)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--gamma", type=float, default=2.0, help="position weight exp(-(i-1)/gamma)")
@@ -137,11 +131,9 @@ def recipe_tag(args) -> str:
     """A short hash of what shapes the training run, so a resume never continues a different recipe."""
     import hashlib
 
-    keys = ("arch", "seqs_per_step", "anchors_per_seq", "block_size", "layers", "feature_input", "context_tokens", "draft_vocab", "lr",
-            "gamma", "reveal_prob", "seed")
-    values = [getattr(args, k) for k in keys]
-    if args.known_token_input or args.init_from:  # recipes from before these options keep their tags (and resume)
-        values += [args.known_token_input, str(args.init_from)]
+    keys = ("arch", "seqs_per_step", "anchors_per_seq", "block_size", "layers", "draft_vocab", "lr", "gamma",
+            "reveal_prob", "seed")
+    values = [getattr(args, k) for k in keys] + [str(args.init_from)]
     return f"s{args.seed}-" + hashlib.sha256(json.dumps(values).encode()).hexdigest()[:8]
 
 

@@ -1,0 +1,62 @@
+"""Drafters drafting together: the first proposes, the next ones fill in the rest."""
+
+from __future__ import annotations
+
+from drafters.base import Draft, DraftContext, Drafter
+
+
+class ChainDrafter(Drafter):
+    """Drafts with `sources` in turn: the first proposes, each next one continues the draft so far (`Drafter.fill`)
+    up to its own reach, min(tokens asked, its `max_draft_len`); a source the draft already reaches that far adds
+    nothing (and does no work).
+
+    `hybrid.load_default()`'s drafter is `ChainDrafter([PromptLookupDrafter(...), BlockDiffusionDrafter(...)])`: the
+    longest context match continued by the n-gram store, up to 16 tokens; where that is shorter than the block's 7,
+    the block model fills the block in, given it. A lookup longer than the block is proposed whole.
+
+    Its `vocab_size`, `tokenizer` and `hidden_layers` are its sources' (which must agree), its `max_draft_len` and
+    `max_steps` the largest of theirs (each source runs at most its own); the rows of a batch are drafted source by
+    source, each through the source's `fill_rows` (one forward for the block model).
+    """
+
+    def __init__(self, sources: list[Drafter]):
+        sources = tuple(sources)
+        if not sources or not all(isinstance(s, Drafter) for s in sources):
+            raise TypeError(f"ChainDrafter takes a non-empty list of drafters.Drafter, got {sources!r}")
+        self.sources = sources
+        vocab_sizes = {s.vocab_size for s in sources if s.vocab_size is not None}
+        layers = {tuple(s.hidden_layers) for s in sources if s.hidden_layers}
+        if len(vocab_sizes) > 1:
+            raise ValueError(f"the sources index different vocabularies: {sorted(vocab_sizes)}")
+        if len(layers) > 1:
+            raise ValueError(f"the sources read different verifier layers: {sorted(layers)}")
+        self.vocab_size = next(iter(vocab_sizes), None)
+        self.tokenizer = next((s.tokenizer for s in sources if s.tokenizer is not None), None)
+        self.hidden_layers = next(iter(layers), ())
+        self.max_draft_len = max(s.max_draft_len for s in sources)
+        self.max_steps = max(s.max_steps for s in sources)
+        # Schedulers keep acceptance statistics per drafter: other sources, or other settings of one, are another.
+        self.fingerprint = " + ".join(f"{type(s).__name__}:{s.max_draft_len}:{getattr(s, 'fingerprint', '')}"
+                                      for s in sources)  # fmt: skip
+
+    def reset(self, ctx: DraftContext) -> None:
+        for source in self.sources:
+            source.reset(ctx)
+
+    def fork(self) -> ChainDrafter:
+        return ChainDrafter([source.fork() for source in self.sources])
+
+    def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
+        return self.propose_rows([self], [ctx], [max_tokens])[0]
+
+    def propose_rows(self, drafters: list[Drafter], ctxs: list[DraftContext], max_tokens: list[int]) -> list[Draft]:
+        drafts = [Draft.empty(ctx.input_ids.device) for ctx in ctxs]
+        for i, source in enumerate(self.sources):
+            reach = [min(k, source.max_draft_len) for k in max_tokens]
+            rows = [r for r, draft in enumerate(drafts) if len(draft) < reach[r]]
+            if rows:
+                filled = source.fill_rows([drafters[r].sources[i] for r in rows], [ctxs[r] for r in rows],
+                                          [drafts[r] for r in rows], [reach[r] for r in rows])  # fmt: skip
+                for r, draft in zip(rows, filled):
+                    drafts[r] = draft
+        return drafts
