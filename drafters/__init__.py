@@ -13,5 +13,14 @@ from drafters.model_drafter import ModelDrafter
 from drafters.oracle import OracleDrafter
 from drafters.prompt_lookup import PromptLookupDrafter
 
-__all__ = ["BlockDiffusionDrafter", "ChainDrafter", "Draft", "DraftContext", "DraftError", "Drafter", "ModelDrafter",
-           "OracleDrafter", "PromptLookupDrafter"]
+__all__ = [
+    "BlockDiffusionDrafter",
+    "ChainDrafter",
+    "Draft",
+    "DraftContext",
+    "DraftError",
+    "Drafter",
+    "ModelDrafter",
+    "OracleDrafter",
+    "PromptLookupDrafter",
+]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-
 FROZEN = ("model.embed_tokens.weight", "lm_head.weight")
 WEIGHTS_NAME = "model.safetensors"
 
@@ -30,16 +29,20 @@ def load_ar_model(path: str | Path, verifier):
 
     path = Path(path)
     if not (path / "config.json").is_file() or not (path / WEIGHTS_NAME).is_file():
-        raise FileNotFoundError(f"no AR baseline drafter in {path}: train it with "
-                                "`python -m drafters.training.train --arch ar`")
+        raise FileNotFoundError(
+            f"no AR baseline drafter in {path}: train it with `python -m drafters.training.train --arch ar`"
+        )
     config = LlamaConfig.from_pretrained(path)
     if config.vocab_size != verifier.get_input_embeddings().weight.shape[0]:
-        raise ValueError(f"{path} was trained for a vocabulary of {config.vocab_size} tokens, the verifier has "
-                         f"{verifier.get_input_embeddings().weight.shape[0]}: retrain it for this verifier")
+        raise ValueError(
+            f"{path} was trained for a vocabulary of {config.vocab_size} tokens, the verifier has "
+            f"{verifier.get_input_embeddings().weight.shape[0]}: retrain it for this verifier"
+        )
     model = LlamaForCausalLM(config)
     missing, unexpected = model.load_state_dict(load_file(str(path / WEIGHTS_NAME)), strict=False)
     if unexpected or set(missing) - set(FROZEN):
-        raise ValueError(f"{path / WEIGHTS_NAME} does not match its config (missing {sorted(set(missing) - set(FROZEN))}, "
-                         f"unexpected {sorted(unexpected)}): retrain or re-save it")
+        raise ValueError(
+            f"{path / WEIGHTS_NAME} does not match its config (missing {sorted(set(missing) - set(FROZEN))}, "
+            f"unexpected {sorted(unexpected)}): retrain or re-save it"
+        )
     return with_verifier_embedding(model, verifier).to(verifier.device).eval()
-

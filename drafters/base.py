@@ -179,8 +179,9 @@ class Drafter:
         with their probs (None: deterministic) and confidences; the default adds none after them."""
         return self.propose(ctx, max_tokens) if len(given) == 0 else given
 
-    def fill_rows(self, drafters: list[Drafter], ctxs: list[DraftContext], givens: list[Draft],
-                  max_tokens: list[int]) -> list[Draft]:
+    def fill_rows(
+        self, drafters: list[Drafter], ctxs: list[DraftContext], givens: list[Draft], max_tokens: list[int]
+    ) -> list[Draft]:
         """`fill` for several rows of a batch, as `propose_rows` is `propose`'s (rows given nothing at all go through
         `propose_rows`, so a drafter that batches there batches here; else each row on its own, in row order)."""
         if not any(len(given) for given in givens):
@@ -199,8 +200,11 @@ def common_prefix_length(a: torch.Tensor, b: torch.Tensor) -> int:
 def check_same_verifier(expected: dict, actual: dict, problem: str, fix: str) -> None:
     """Raise `ValueError("{problem} (key a != b, ...): {fix}")` when two verifier fingerprints differ."""
     if expected != actual:
-        diffs = ", ".join(f"{key} {expected.get(key)!r} != {actual.get(key)!r}" for key in sorted(set(expected) | set(actual))
-                          if expected.get(key) != actual.get(key))
+        diffs = ", ".join(
+            f"{key} {expected.get(key)!r} != {actual.get(key)!r}"
+            for key in sorted(set(expected) | set(actual))
+            if expected.get(key) != actual.get(key)
+        )
         raise ValueError(f"{problem} ({diffs}): {fix}")
 
 

@@ -57,9 +57,12 @@ class BlockDiffusionConfig:
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         layers = text.num_hidden_layers
         defaults = dict(
-            hidden_size=text.hidden_size, num_heads=text.num_attention_heads, head_dim=head_dim,
+            hidden_size=text.hidden_size,
+            num_heads=text.num_attention_heads,
+            head_dim=head_dim,
             num_kv_heads=getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
-            intermediate_size=text.intermediate_size, rope_theta=rope.get("rope_theta", 10000.0),
+            intermediate_size=text.intermediate_size,
+            rope_theta=rope.get("rope_theta", 10000.0),
             rms_norm_eps=getattr(text, "rms_norm_eps", 1e-5),
             # Five layers spread from low to the last (DFlash fuses low, middle and high features).
             target_layers=tuple(sorted({max(1, round(layers * f)) for f in (0.07, 0.3, 0.53, 0.77, 1.0)})),
@@ -236,8 +239,15 @@ class BlockDiffusionDrafter(Drafter):
     `drafters.ChainDrafter`): the model reads them as known positions, as a later denoising pass does.
     """
 
-    def __init__(self, model: BlockDiffusionModel, verifier, tokenizer=None, steps: int = 1, threshold: float = 0.9,
-                 block_size: int | None = None):
+    def __init__(
+        self,
+        model: BlockDiffusionModel,
+        verifier,
+        tokenizer=None,
+        steps: int = 1,
+        threshold: float = 0.9,
+        block_size: int | None = None,
+    ):
         c = model.config
         block_size = c.block_size if block_size is None else block_size
         if not 2 <= block_size <= c.block_size:
@@ -256,7 +266,9 @@ class BlockDiffusionDrafter(Drafter):
         self.hidden_layers = tuple(c.target_layers)
         self.block_size, self.max_draft_len = block_size, block_size - 1
         self.steps, self.threshold, self.max_steps = steps, threshold, steps
-        weights = hashlib.sha256(b"".join(t.detach().cpu().float().numpy().tobytes() for t in model.state_dict().values()))
+        weights = hashlib.sha256(
+            b"".join(t.detach().cpu().float().numpy().tobytes() for t in model.state_dict().values())
+        )
         # Schedulers keep acceptance statistics per drafter: another checkpoint or setting is another drafter.
         self.fingerprint = f"{weights.hexdigest()[:12]}:b{block_size}:s{steps}:t{threshold}"
 
@@ -279,8 +291,9 @@ class BlockDiffusionDrafter(Drafter):
         """The projected context keys/values of every row, [rows, capacity, layers, 2, kv_heads, d], a side buffer
         of the verifier's cache (a rollback cuts it back with the verifier's own)."""
         c = self.model.config
-        return ctx.side_buffer(CONTEXT, (c.num_layers, 2, c.num_kv_heads, c.head_dim), self.model.norm.weight.dtype,
-                               self.device)  # fmt: skip
+        return ctx.side_buffer(
+            CONTEXT, (c.num_layers, 2, c.num_kv_heads, c.head_dim), self.model.norm.weight.dtype, self.device
+        )
 
     def _sync_context(self, ctx: DraftContext, committed: torch.Tensor) -> tuple[int, torch.Tensor]:
         """Bring this row's projected context up to the verifier states of committed[:-1]; return its length n
@@ -291,7 +304,9 @@ class BlockDiffusionDrafter(Drafter):
         states = states[0]
         n = committed.shape[0] - 1
         if states.shape[0] != n:
-            raise ValueError(f"verifier has states for {states.shape[0]} tokens, expected {n} (committed minus the anchor)")
+            raise ValueError(
+                f"verifier has states for {states.shape[0]} tokens, expected {n} (committed minus the anchor)"
+            )
         done = ctx.side_length(CONTEXT)
         if done < n:
             positions = torch.arange(done, n, device=states.device)[None]
@@ -316,8 +331,11 @@ class BlockDiffusionDrafter(Drafter):
             committed = ctx.input_ids[0]
             n, states = self._sync_context(ctx, committed)
             # The fused feature of the token before the anchor (zeros if none).
-            last = (self.model.features(states[n - 1], self.embed(committed[n - 1])) if n
-                    else self.model.feature_gate.new_zeros(self.model.feature_gate.shape))
+            last = (
+                self.model.features(states[n - 1], self.embed(committed[n - 1]))
+                if n
+                else self.model.feature_gate.new_zeros(self.model.feature_gate.shape)
+            )
             inputs.append(self.model.block_inputs(self.embed(block), known, last))
             lengths.append(n)
         static, size, buffer = ctxs[0].static, blocks.shape[1], self._context(ctxs[0])
@@ -326,8 +344,9 @@ class BlockDiffusionDrafter(Drafter):
         # One row (always at batch 1) is a view, no copy; several are gathered.
         pick = slice(rows[0], rows[0] + 1) if len(rows) == 1 else torch.tensor(rows, device=self.device)
         picked = buffer[pick, :slots]  # [R, slots, layers, 2, kv_heads, d]
-        context = [(picked[:, :, i, 0].transpose(1, 2), picked[:, :, i, 1].transpose(1, 2))
-                   for i in range(picked.shape[2])]  # fmt: skip
+        context = [
+            (picked[:, :, i, 0].transpose(1, 2), picked[:, :, i, 1].transpose(1, 2)) for i in range(picked.shape[2])
+        ]
         n = torch.tensor(lengths, device=self.device)
         positions = n[:, None] + torch.arange(size, device=self.device)
         forward, mask = self.model, None
@@ -363,8 +382,9 @@ class BlockDiffusionDrafter(Drafter):
             return super().propose_rows(drafters, ctxs, max_tokens)
         return self._fill_together(drafters, ctxs, [Draft.empty(ctx.input_ids.device) for ctx in ctxs], max_tokens)
 
-    def fill_rows(self, drafters: list[Drafter], ctxs: list[DraftContext], givens: list[Draft],
-                  max_tokens: list[int]) -> list[Draft]:
+    def fill_rows(
+        self, drafters: list[Drafter], ctxs: list[DraftContext], givens: list[Draft], max_tokens: list[int]
+    ) -> list[Draft]:
         if not self._one_forward(ctxs):
             return super().fill_rows(drafters, ctxs, givens, max_tokens)
         return self._fill_together(drafters, ctxs, givens, max_tokens)
@@ -376,12 +396,15 @@ class BlockDiffusionDrafter(Drafter):
         return len(ctxs) > 1 and passes == {1}
 
     @torch.inference_mode()
-    def _fill_together(self, drafters: list[Drafter], ctxs: list[DraftContext], givens: list[Draft],
-                       max_tokens: list[int]) -> list[Draft]:
+    def _fill_together(
+        self, drafters: list[Drafter], ctxs: list[DraftContext], givens: list[Draft], max_tokens: list[int]
+    ) -> list[Draft]:
         starts = [drafter._start(ctx, given) for drafter, ctx, given in zip(drafters, ctxs, givens)]
         logits = self.block_logits_rows(ctxs, torch.stack([s[0] for s in starts]), torch.stack([s[1] for s in starts]))
-        return [drafter._choose(ctx, row_logits, *start, given, k)
-                for drafter, ctx, row_logits, start, given, k in zip(drafters, ctxs, logits, starts, givens, max_tokens)]
+        return [
+            drafter._choose(ctx, row_logits, *start, given, k)
+            for drafter, ctx, row_logits, start, given, k in zip(drafters, ctxs, logits, starts, givens, max_tokens)
+        ]
 
     @torch.inference_mode()
     def fill(self, ctx: DraftContext, given: Draft, max_tokens: int) -> Draft:
@@ -408,7 +431,9 @@ class BlockDiffusionDrafter(Drafter):
         probs), the rest chosen from logits."""
         vocab = self.model.draft_vocab
         k = min(max_tokens, self.block_size - 1)
-        if not ctx.do_sample and not ctx.processors:  # outside the draft vocabulary the logits are -inf: top-1 over it is the whole answer
+        if (
+            not ctx.do_sample and not ctx.processors
+        ):  # outside the draft vocabulary the logits are -inf: top-1 over it is the whole answer
             probs_v = torch.softmax(logits[:k], dim=-1)
             conf_v, best = probs_v.max(dim=-1)
             tokens_v = torch.where(known[1 : k + 1], block[1 : k + 1], vocab[best].to(block.dtype))
@@ -443,8 +468,12 @@ class BlockDiffusionDrafter(Drafter):
 
 
 def check_fingerprint(expected: dict, actual: dict) -> None:
-    check_same_verifier(expected, actual, "this drafter was trained for another verifier",
-                        "load a checkpoint trained for this verifier, or train one with `python -m drafters.training.train`")
+    check_same_verifier(
+        expected,
+        actual,
+        "this drafter was trained for another verifier",
+        "load a checkpoint trained for this verifier, or train one with `python -m drafters.training.train`",
+    )
 
 
 def save_model(model: BlockDiffusionModel, path: str | Path, dtype: torch.dtype | None = None) -> None:
@@ -453,8 +482,10 @@ def save_model(model: BlockDiffusionModel, path: str | Path, dtype: torch.dtype 
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    state = {name: (t.to(dtype) if dtype and t.is_floating_point() else t).detach().cpu().contiguous()
-             for name, t in model.state_dict().items()}
+    state = {
+        name: (t.to(dtype) if dtype and t.is_floating_point() else t).detach().cpu().contiguous()
+        for name, t in model.state_dict().items()
+    }
     save_file(state, str(path / WEIGHTS_NAME))
     (path / CONFIG_NAME).write_text(json.dumps(asdict(model.config), indent=2) + "\n")
 
@@ -467,8 +498,10 @@ def load_model(path: str | Path) -> BlockDiffusionModel:
     config_file, weights_file = path / CONFIG_NAME, path / WEIGHTS_NAME
     for file in (config_file, weights_file):
         if not file.is_file():
-            raise FileNotFoundError(f"{file} not found: a BlockDiffusionDrafter checkpoint is a folder with {CONFIG_NAME} "
-                                    f"and {WEIGHTS_NAME} (written by save_pretrained)")
+            raise FileNotFoundError(
+                f"{file} not found: a BlockDiffusionDrafter checkpoint is a folder with {CONFIG_NAME} "
+                f"and {WEIGHTS_NAME} (written by save_pretrained)"
+            )
     try:
         raw = json.loads(config_file.read_text())
         raw["target_layers"] = tuple(raw["target_layers"])
@@ -478,7 +511,9 @@ def load_model(path: str | Path) -> BlockDiffusionModel:
     try:
         state = load_file(str(weights_file))
     except (SafetensorError, OSError) as e:
-        raise ValueError(f"{weights_file} is corrupt or not safetensors ({e}): re-save or retrain the checkpoint") from None
+        raise ValueError(
+            f"{weights_file} is corrupt or not safetensors ({e}): re-save or retrain the checkpoint"
+        ) from None
     model = BlockDiffusionModel(config)
     try:
         model.load_state_dict(state)

@@ -36,8 +36,9 @@ class ChainDrafter(Drafter):
         self.max_draft_len = max(s.max_draft_len for s in sources)
         self.max_steps = max(s.max_steps for s in sources)
         # Schedulers keep acceptance statistics per drafter: other sources, or other settings of one, are another.
-        self.fingerprint = " + ".join(f"{type(s).__name__}:{s.max_draft_len}:{getattr(s, 'fingerprint', '')}"
-                                      for s in sources)  # fmt: skip
+        self.fingerprint = " + ".join(
+            f"{type(s).__name__}:{s.max_draft_len}:{getattr(s, 'fingerprint', '')}" for s in sources
+        )
 
     def reset(self, ctx: DraftContext) -> None:
         for source in self.sources:
@@ -55,8 +56,12 @@ class ChainDrafter(Drafter):
             reach = [min(k, source.max_draft_len) for k in max_tokens]
             rows = [r for r, draft in enumerate(drafts) if len(draft) < reach[r]]
             if rows:
-                filled = source.fill_rows([drafters[r].sources[i] for r in rows], [ctxs[r] for r in rows],
-                                          [drafts[r] for r in rows], [reach[r] for r in rows])  # fmt: skip
+                filled = source.fill_rows(
+                    [drafters[r].sources[i] for r in rows],
+                    [ctxs[r] for r in rows],
+                    [drafts[r] for r in rows],
+                    [reach[r] for r in rows],
+                )
                 for r, draft in zip(rows, filled):
                     drafts[r] = draft
         return drafts

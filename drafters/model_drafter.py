@@ -51,7 +51,9 @@ class ModelDrafter(Drafter):
             self._fed = torch.cat([self._fed, fed])
         device = ctx.input_ids.device
         draft_probs = torch.stack(probs).to(device) if ctx.do_sample and probs else None
-        return Draft(torch.tensor(tokens, dtype=torch.long, device=device), draft_probs, torch.tensor(confidence, device=device))
+        return Draft(
+            torch.tensor(tokens, dtype=torch.long, device=device), draft_probs, torch.tensor(confidence, device=device)
+        )
 
     def _catch_up(self, committed: torch.Tensor) -> torch.Tensor:
         """Bring the cache to `committed` (reusing the common prefix); return logits after its last token."""

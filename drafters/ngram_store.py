@@ -58,8 +58,15 @@ class NgramStore:
     # -- building --------------------------------------------------------------------------------
 
     @classmethod
-    def build(cls, answers: Iterable[tuple[Sequence[int], int]], vocab_size: int, max_n: int = 4, min_count: int = 2,
-              verifier: dict | None = None, info: dict | None = None) -> NgramStore:
+    def build(
+        cls,
+        answers: Iterable[tuple[Sequence[int], int]],
+        vocab_size: int,
+        max_n: int = 4,
+        min_count: int = 2,
+        verifier: dict | None = None,
+        info: dict | None = None,
+    ) -> NgramStore:
         """From (token ids, prompt length) pairs: every answer token, keyed by the n tokens before it (which may
         reach back into the prompt). N-grams seen fewer than `min_count` times are dropped: a single sighting
         predicts little and would make most of the table."""
@@ -74,7 +81,9 @@ class NgramStore:
         for ids, prompt_len in answers:
             ids = np.asarray(ids, dtype=np.uint64)
             if ids.size and int(ids.max()) >= vocab_size:
-                raise ValueError(f"token id {int(ids.max())} >= vocab_size {vocab_size}: answers from another tokenizer")
+                raise ValueError(
+                    f"token id {int(ids.max())} >= vocab_size {vocab_size}: answers from another tokenizer"
+                )
             tokens += max(0, ids.size - prompt_len)
             for n in range(1, max_n + 1):
                 first = max(prompt_len, n)  # answer positions with n tokens before them
@@ -154,18 +163,27 @@ class NgramStore:
         config_file, tables_file = path / CONFIG_NAME, path / TABLES_NAME
         for file in (config_file, tables_file):
             if not file.is_file():
-                raise FileNotFoundError(f"{file} not found: an NgramStore is a folder with {CONFIG_NAME} and {TABLES_NAME} "
-                                        "(written by `python -m drafters.training.ngram_build`)")
+                raise FileNotFoundError(
+                    f"{file} not found: an NgramStore is a folder with {CONFIG_NAME} and {TABLES_NAME} "
+                    "(written by `python -m drafters.training.ngram_build`)"
+                )
         try:
             config = json.loads(config_file.read_text())
             tables = load_file(str(tables_file))
             ns = range(1, config["max_n"] + 1)
-            return cls(config["vocab_size"], [tables[f"keys.{n}"] for n in ns],
-                       [tables[f"next.{n}"].astype(np.int64) for n in ns],
-                       [tables[f"share.{n}"].astype(np.float32) for n in ns], config["verifier"], config["info"])
+            return cls(
+                config["vocab_size"],
+                [tables[f"keys.{n}"] for n in ns],
+                [tables[f"next.{n}"].astype(np.int64) for n in ns],
+                [tables[f"share.{n}"].astype(np.float32) for n in ns],
+                config["verifier"],
+                config["info"],
+            )
         except (json.JSONDecodeError, KeyError, TypeError, SafetensorError, OSError) as e:
-            raise ValueError(f"{path} is not a valid NgramStore ({type(e).__name__}: {e}): rebuild it with "
-                             "`python -m drafters.training.ngram_build`") from None
+            raise ValueError(
+                f"{path} is not a valid NgramStore ({type(e).__name__}: {e}): rebuild it with "
+                "`python -m drafters.training.ngram_build`"
+            ) from None
 
 
 def token_bits(vocab_size: int) -> int:
@@ -190,10 +208,18 @@ def most_frequent_next(keys: np.ndarray, targets: np.ndarray, min_count: int):
     first = np.flatnonzero(np.r_[True, pair_keys[1:] != pair_keys[:-1]]) if pair_keys.size else np.zeros(0, np.int64)
     totals = np.add.reduceat(counts, first) if first.size else np.zeros(0, np.int64)
     keep = totals >= min_count
-    return pair_keys[first][keep], pair_targets[first][keep], (counts[first] / np.maximum(totals, 1)).astype(np.float32)[keep]
+    return (
+        pair_keys[first][keep],
+        pair_targets[first][keep],
+        (counts[first] / np.maximum(totals, 1)).astype(np.float32)[keep],
+    )
 
 
 def check_store_fits(store: NgramStore, fingerprint: dict) -> None:
     """The store's tokens are the verifier's: another verifier (tokenizer) gets a clear error."""
-    check_same_verifier(store.verifier, fingerprint, "this n-gram store was built from another verifier's answers",
-                        "build one for this verifier with `python -m drafters.training.ngram_build`")
+    check_same_verifier(
+        store.verifier,
+        fingerprint,
+        "this n-gram store was built from another verifier's answers",
+        "build one for this verifier with `python -m drafters.training.ngram_build`",
+    )

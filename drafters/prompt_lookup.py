@@ -25,12 +25,20 @@ class PromptLookupDrafter(Drafter):
     no match: the store alone. Given the `verifier` model, the store is checked to hold its answers.
     """
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, max_draft_len: int = 10,
-                 ngram_store: NgramStore | str | Path | None = None, store_min_n: int = 2,
-                 prefer_store: float | None = None, verifier=None):
+    def __init__(
+        self,
+        max_ngram: int = 3,
+        min_ngram: int = 1,
+        max_draft_len: int = 10,
+        ngram_store: NgramStore | str | Path | None = None,
+        store_min_n: int = 2,
+        prefer_store: float | None = None,
+        verifier=None,
+    ):
         if not 0 <= min_ngram <= max_ngram or max_ngram < 1:
-            raise ValueError(f"need 0 <= min_ngram <= max_ngram and max_ngram >= 1, got min_ngram={min_ngram}, "
-                             f"max_ngram={max_ngram}")  # fmt: skip
+            raise ValueError(
+                f"need 0 <= min_ngram <= max_ngram and max_ngram >= 1, got min_ngram={min_ngram}, max_ngram={max_ngram}"
+            )
         if min_ngram == 0 and ngram_store is None:
             raise ValueError("min_ngram=0 (no context match) drafts from the store alone: it needs an ngram_store")
         if max_draft_len < 1:
@@ -49,13 +57,21 @@ class PromptLookupDrafter(Drafter):
 
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
         ids = ctx.input_ids[0]
-        tokens, confidence = lookup_draft(ids, self.min_ngram, self.max_ngram, max_tokens, self.ngram_store, self.store_min_n,
-                                          self.prefer_store)
+        tokens, confidence = lookup_draft(
+            ids, self.min_ngram, self.max_ngram, max_tokens, self.ngram_store, self.store_min_n, self.prefer_store
+        )
         return Draft(tokens, confidence=confidence)
 
 
-def lookup_draft(ids: torch.Tensor, min_ngram: int, max_ngram: int, max_tokens: int, store: NgramStore | None = None,
-                 store_min_n: int = 2, prefer_store: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def lookup_draft(
+    ids: torch.Tensor,
+    min_ngram: int,
+    max_ngram: int,
+    max_tokens: int,
+    store: NgramStore | None = None,
+    store_min_n: int = 2,
+    prefer_store: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(up to `max_tokens` tokens to follow `ids` [n], their confidences) without a model: the longest suffix
     match in `ids` (min_ngram = 0: none), then `store`'s continuation of ids + that match.
 

@@ -41,8 +41,7 @@ from tqdm import tqdm
 
 import hybrid
 from drafters import Drafter, OracleDrafter, PromptLookupDrafter
-from experiments import trained_drafters
-from experiments import metrics, plots
+from experiments import metrics, plots, trained_drafters
 from experiments.datasets import load_prompts
 from schedulers import Scheduler
 from schedulers.registry import NAMES_HELP, check_scheduler_name, fixed_k, make_scheduler
@@ -68,42 +67,66 @@ class DrafterEntry:
 
 DRAFTERS: dict[str, DrafterEntry | None] = {
     "none": None,  # plain decoding through the engine: tau 1, the engine's own overhead
-    "lookup": DrafterEntry(lambda block, reference, model: PromptLookupDrafter(max_draft_len=block), default_block_size=10),
+    "lookup": DrafterEntry(
+        lambda block, reference, model: PromptLookupDrafter(max_draft_len=block), default_block_size=10
+    ),
     # Prompt lookup continued by the shipped n-gram store of the verifier's training answers: no model.
-    "lookup-store": DrafterEntry(lambda block, reference, model: PromptLookupDrafter(
-        max_draft_len=block, ngram_store=trained_drafters.ngram_store()), default_block_size=10),
+    "lookup-store": DrafterEntry(
+        lambda block, reference, model: PromptLookupDrafter(
+            max_draft_len=block, ngram_store=trained_drafters.ngram_store()
+        ),
+        default_block_size=10,
+    ),
     # The verifier's own greedy text at zero cost: the ceiling of speculative decoding on this machine.
-    "oracle": DrafterEntry(lambda block, reference, model: OracleDrafter(reference, max_draft_len=block),
-                           default_block_size=16),
+    "oracle": DrafterEntry(
+        lambda block, reference, model: OracleDrafter(reference, max_draft_len=block), default_block_size=16
+    ),
     # The shipped block-diffusion drafter (block size here = drafted tokens; the block adds the anchor).
-    "block": DrafterEntry(lambda block, reference, model: trained_drafters.block(model, block),
-                          default_block_size=trained_drafters.MAX_DRAFTED, max_block_size=trained_drafters.MAX_DRAFTED),
-    "block-lookup": DrafterEntry(lambda block, reference, model: trained_drafters.block(model, block, lookup=True),
-                                 default_block_size=trained_drafters.MAX_DRAFTED,
-                                 max_block_size=trained_drafters.MAX_DRAFTED),
+    "block": DrafterEntry(
+        lambda block, reference, model: trained_drafters.block(model, block),
+        default_block_size=trained_drafters.MAX_DRAFTED,
+        max_block_size=trained_drafters.MAX_DRAFTED,
+    ),
+    "block-lookup": DrafterEntry(
+        lambda block, reference, model: trained_drafters.block(model, block, lookup=True),
+        default_block_size=trained_drafters.MAX_DRAFTED,
+        max_block_size=trained_drafters.MAX_DRAFTED,
+    ),
     # The shipped default: the block model, lookup and the n-gram store (hybrid.load_default()).
-    "block-lookup-store": DrafterEntry(lambda block, reference, model: trained_drafters.block(model, block, True, store=True),
-                                       default_block_size=trained_drafters.MAX_DRAFTED,
-                                       max_block_size=trained_drafters.MAX_DRAFTED),
+    "block-lookup-store": DrafterEntry(
+        lambda block, reference, model: trained_drafters.block(model, block, True, store=True),
+        default_block_size=trained_drafters.MAX_DRAFTED,
+        max_block_size=trained_drafters.MAX_DRAFTED,
+    ),
     # The same with two denoising passes (the confident leading run fixed after the first, the rest re-predicted).
-    "block-lookup-2steps": DrafterEntry(lambda block, reference, model: trained_drafters.block(model, block, True, steps=2),
-                                        default_block_size=trained_drafters.MAX_DRAFTED,
-                                        max_block_size=trained_drafters.MAX_DRAFTED),
+    "block-lookup-2steps": DrafterEntry(
+        lambda block, reference, model: trained_drafters.block(model, block, True, steps=2),
+        default_block_size=trained_drafters.MAX_DRAFTED,
+        max_block_size=trained_drafters.MAX_DRAFTED,
+    ),
     # The trained block with lookup matches proposed up to the block size asked for (15 by default), past the block.
-    "block-long-lookup": DrafterEntry(lambda block, reference, model: trained_drafters.block(model, block, long_lookup=True),
-                                      default_block_size=trained_drafters.LONG_LOOKUP_TOKENS),
+    "block-long-lookup": DrafterEntry(
+        lambda block, reference, model: trained_drafters.block(model, block, long_lookup=True),
+        default_block_size=trained_drafters.LONG_LOOKUP_TOKENS,
+    ),
     "block-long-lookup-store": DrafterEntry(
         lambda block, reference, model: trained_drafters.block(model, block, long_lookup=True, store=True),
-        default_block_size=trained_drafters.LONG_LOOKUP_TOKENS),
-    # The default drafter (`hybrid.load_default()`, session 8): the above with the longest context match up to 32 tokens,
+        default_block_size=trained_drafters.LONG_LOOKUP_TOKENS,
+    ),
+    # The default drafter (`hybrid.load_default()`): the above with the longest context match up to 32 tokens,
     # and the store preferred over a one-token match; and the same lookup without the model.
-    "default": DrafterEntry(lambda block, reference, model: trained_drafters.default(model, block),
-                            default_block_size=trained_drafters.LONG_LOOKUP_TOKENS),
-    "match-store": DrafterEntry(lambda block, reference, model: trained_drafters.match_store(block),
-                                default_block_size=trained_drafters.LONG_LOOKUP_TOKENS),
+    "default": DrafterEntry(
+        lambda block, reference, model: trained_drafters.default(model, block),
+        default_block_size=trained_drafters.LONG_LOOKUP_TOKENS,
+    ),
+    "match-store": DrafterEntry(
+        lambda block, reference, model: trained_drafters.match_store(block),
+        default_block_size=trained_drafters.LONG_LOOKUP_TOKENS,
+    ),
     # The 1-layer AR baseline of the same trainable budget (`python -m drafters.training.train --arch ar`).
     "ar": DrafterEntry(lambda block, reference, model: trained_drafters.ar(model, block), default_block_size=6),
 }
+
 
 @dataclass(frozen=True)
 class Config:
@@ -143,15 +166,34 @@ class Plan:
 
 
 # A run is identified by these record fields; resume compares them.
-KEY_FIELDS = ("model", "dataset", "prompt_index", "prompt_sha1", "drafter", "scheduler", "block_size",
-              "temperature", "max_new_tokens", "seed")  # fmt: skip
+KEY_FIELDS = (
+    "model",
+    "dataset",
+    "prompt_index",
+    "prompt_sha1",
+    "drafter",
+    "scheduler",
+    "block_size",
+    "temperature",
+    "max_new_tokens",
+    "seed",
+)
 CONFIG_FIELDS = ("dataset", "drafter", "scheduler", "block_size", "temperature")
 
 
 def run_fields(plan: Plan, prompt: Prompt, config: Config) -> dict:
-    return {"model": plan.model, "dataset": prompt.dataset, "prompt_index": prompt.index, "prompt_sha1": prompt.sha1,
-            "drafter": config.drafter, "scheduler": config.scheduler, "block_size": config.block_size,
-            "temperature": config.temperature, "max_new_tokens": plan.max_new_tokens, "seed": plan.seed}  # fmt: skip
+    return {
+        "model": plan.model,
+        "dataset": prompt.dataset,
+        "prompt_index": prompt.index,
+        "prompt_sha1": prompt.sha1,
+        "drafter": config.drafter,
+        "scheduler": config.scheduler,
+        "block_size": config.block_size,
+        "temperature": config.temperature,
+        "max_new_tokens": plan.max_new_tokens,
+        "seed": plan.seed,
+    }
 
 
 def run_key(record: dict) -> tuple:
@@ -181,10 +223,19 @@ def load_tiny_model():
         "{% if add_generation_prompt %}<assistant>{% endif %}"
     )
     config = LlamaConfig(
-        vocab_size=len(alphabet), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.3, tie_word_embeddings=False,
-        bos_token_id=None, eos_token_id=None, pad_token_id=None,
-    )  # fmt: skip
+        vocab_size=len(alphabet),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        initializer_range=0.3,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     with torch.random.fork_rng():  # the same weights in every process, without touching the caller's RNG
         torch.manual_seed(0)
         model = LlamaForCausalLM(config).eval()
@@ -226,8 +277,9 @@ def parse_numbers(text: str, option: str, kind: type) -> list:
     return values
 
 
-def expand_configs(drafters: list[str], schedulers: list[str], block_sizes: list[int] | None,
-                   temperatures: list[float]) -> list[Config]:  # fmt: skip
+def expand_configs(
+    drafters: list[str], schedulers: list[str], block_sizes: list[int] | None, temperatures: list[float]
+) -> list[Config]:
     """drafters x schedulers x block sizes x temperatures; `none` has neither scheduler nor block size."""
     for name in drafters:
         if name not in DRAFTERS:
@@ -267,7 +319,9 @@ def make_plan(args: argparse.Namespace) -> Plan:
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens {args.max_new_tokens}: need at least 1")
     if args.model not in MODELS and not (Path(args.model) / "config.json").is_file():
-        raise ValueError(f"--model {args.model!r}: use {' or '.join(MODELS)}, or a local checkpoint folder with config.json")
+        raise ValueError(
+            f"--model {args.model!r}: use {' or '.join(MODELS)}, or a local checkpoint folder with config.json"
+        )
     if Path(args.out).exists() and not Path(args.out).is_dir():
         raise ValueError(f"--out {args.out} is a file; it must be a folder")
     block_sizes = parse_numbers(args.block_sizes, "--block-sizes", int) if args.block_sizes else None
@@ -302,10 +356,13 @@ def seed_for(*parts) -> int:
 
 def plain_generate(model, input_ids: torch.Tensor, temperature: float, plan: Plan, prompt: Prompt):
     """(output, seconds) of plain `model.generate`: the baseline, and for greedy the reference output."""
-    torch.manual_seed(seed_for(plan.seed, prompt.dataset, prompt.index, temperature))  # generate samples from the global RNG
+    torch.manual_seed(
+        seed_for(plan.seed, prompt.dataset, prompt.index, temperature)
+    )  # generate samples from the global RNG
     start = time.perf_counter()
-    out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
-                         **decoding_settings(temperature, plan.max_new_tokens))  # fmt: skip
+    out = model.generate(
+        input_ids, attention_mask=torch.ones_like(input_ids), **decoding_settings(temperature, plan.max_new_tokens)
+    )
     return out, time.perf_counter() - start
 
 
@@ -313,9 +370,14 @@ def run_one(model, input_ids, config: Config, fields: dict, reference, baseline,
     """Decode one prompt under one configuration; the record that goes to runs.jsonl."""
     generator = torch.Generator(device=model.device).manual_seed(seed_for(*run_key(fields)))
     out, stats = hybrid.generate(
-        model, input_ids, drafter=config.make_drafter(reference, model), scheduler=scheduler or config.make_scheduler(),
-        generator=generator, return_stats=True, **decoding_settings(config.temperature, fields["max_new_tokens"]),
-    )  # fmt: skip
+        model,
+        input_ids,
+        drafter=config.make_drafter(reference, model),
+        scheduler=scheduler or config.make_scheduler(),
+        generator=generator,
+        return_stats=True,
+        **decoding_settings(config.temperature, fields["max_new_tokens"]),
+    )
     baseline_out, baseline_time = baseline
     baseline_new_tokens = baseline_out.shape[1] - input_ids.shape[1]
     baseline_tokens_per_s = baseline_new_tokens / baseline_time
@@ -343,8 +405,9 @@ def run_one(model, input_ids, config: Config, fields: dict, reference, baseline,
     }
 
 
-def run_shard(plan: Plan, prompts: list[Prompt], done: set[tuple], runs_path: Path, load=load_model,
-              show_progress: bool = True) -> list[dict]:  # fmt: skip
+def run_shard(
+    plan: Plan, prompts: list[Prompt], done: set[tuple], runs_path: Path, load=load_model, show_progress: bool = True
+) -> list[dict]:
     """Run every configuration not in `done` on `prompts`, appending each record to runs_path as it finishes.
 
     The model loads only if something is pending, so a finished sweep reruns in a second.
@@ -359,7 +422,9 @@ def run_shard(plan: Plan, prompts: list[Prompt], done: set[tuple], runs_path: Pa
         return []
     model, tokenizer = load(plan.model)
     warm_up = encode_prompt(tokenizer, pending[0][0].text)
-    model.generate(warm_up, attention_mask=torch.ones_like(warm_up), max_new_tokens=2, do_sample=False)  # first-call costs
+    model.generate(
+        warm_up, attention_mask=torch.ones_like(warm_up), max_new_tokens=2, do_sample=False
+    )  # first-call costs
 
     records = []
     # One scheduler per configuration for the whole shard: adaptive ones learn from every prompt so far.
@@ -373,8 +438,9 @@ def run_shard(plan: Plan, prompts: list[Prompt], done: set[tuple], runs_path: Pa
         for config, fields in todo:
             if config.temperature not in baselines:
                 baselines[config.temperature] = plain_generate(model, input_ids, config.temperature, plan, prompt)
-            record = run_one(model, input_ids, config, fields, reference, baselines[config.temperature],
-                             schedulers[config])
+            record = run_one(
+                model, input_ids, config, fields, reference, baselines[config.temperature], schedulers[config]
+            )
             append_record(runs_path, record)
             records.append(record)
             bar.update()
@@ -412,7 +478,9 @@ def read_records(path: Path, key=None) -> list[dict]:
             record = json.loads(line)
             record_key = key_of(record)
         except (json.JSONDecodeError, KeyError, TypeError):
-            print(f"{path}:{number}: unreadable line skipped (an interrupted write?); that run is redone", file=sys.stderr)
+            print(
+                f"{path}:{number}: unreadable line skipped (an interrupted write?); that run is redone", file=sys.stderr
+            )
             continue
         if record_key not in seen:
             seen.add(record_key)
@@ -437,8 +505,10 @@ def drop_partial_line(path: Path) -> None:
 
 def in_plan_order(plan: Plan, records: list[dict]) -> list[dict]:
     """The records of this plan (not stale ones from other settings), prompt by prompt, config by config."""
-    order = {run_key(run_fields(plan, p, c)): i for i, (p, c) in
-             enumerate((p, c) for p in plan.prompts for c in plan.configs)}  # fmt: skip
+    order = {
+        run_key(run_fields(plan, p, c)): i
+        for i, (p, c) in enumerate((p, c) for p in plan.prompts for c in plan.configs)
+    }
     mine = {run_key(r): r for r in records if run_key(r) in order}
     return sorted(mine.values(), key=lambda r: order[run_key(r)])
 
@@ -451,15 +521,26 @@ def fmt(x, digits: int = 2) -> str:
 
 def write_csv(path: Path, rows: list[dict]) -> None:
     depth = max((len(r["acceptance_by_position"]) for r in rows), default=0)
-    columns = [*CONFIG_FIELDS, "runs", "mean_tau", "tokens_per_s", "baseline_tokens_per_s", "speedup",
-               "acceptance_rate", "matches_generate", "checked_against_generate"]  # fmt: skip
+    columns = [
+        *CONFIG_FIELDS,
+        "runs",
+        "mean_tau",
+        "tokens_per_s",
+        "baseline_tokens_per_s",
+        "speedup",
+        "acceptance_rate",
+        "matches_generate",
+        "checked_against_generate",
+    ]
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(columns + [f"accept_pos_{i}" for i in range(1, depth + 1)])
         for r in rows:
             by_position = r["acceptance_by_position"] + [None] * (depth - len(r["acceptance_by_position"]))
             config = ["" if r[c] is None else r[c] for c in CONFIG_FIELDS]
-            writer.writerow(config + [fmt(r[c], 4) for c in columns[len(CONFIG_FIELDS) :]] + [fmt(x, 4) for x in by_position])
+            writer.writerow(
+                config + [fmt(r[c], 4) for c in columns[len(CONFIG_FIELDS) :]] + [fmt(x, 4) for x in by_position]
+            )
 
 
 def config_label(row: dict) -> str:
@@ -488,16 +569,19 @@ def against_fixed(rows: list[dict]) -> list[str]:
             continue
         best_k = max(fixed, key=lambda j: fixed[j]["tokens_per_s"])
         best, largest = fixed[best_k], fixed[max(fixed)]
-        lines.append(f"{r['dataset']} {r['drafter']} b={r['block_size']} T={r['temperature']:g}: {r['scheduler']} "
-                     f"{r['tokens_per_s']:.1f} tok/s = {r['tokens_per_s'] / best['tokens_per_s']:.2f}x the best fixed k in "
-                     f"hindsight (k = {best_k} of {len(fixed)} swept, {best['tokens_per_s']:.1f}), "
-                     f"{r['tokens_per_s'] / largest['tokens_per_s']:.2f}x fixed k = {max(fixed)} ({largest['tokens_per_s']:.1f})")
+        lines.append(
+            f"{r['dataset']} {r['drafter']} b={r['block_size']} T={r['temperature']:g}: {r['scheduler']} "
+            f"{r['tokens_per_s']:.1f} tok/s = {r['tokens_per_s'] / best['tokens_per_s']:.2f}x the best fixed k in "
+            f"hindsight (k = {best_k} of {len(fixed)} swept, {best['tokens_per_s']:.1f}), "
+            f"{r['tokens_per_s'] / largest['tokens_per_s']:.2f}x fixed k = {max(fixed)} ({largest['tokens_per_s']:.1f})"
+        )
     return lines
 
 
 def report_markdown(plan: Plan, rows: list[dict], command: str, processes: int, plot_files: list[str]) -> str:
-    datasets = ", ".join(dict.fromkeys(f"{p.dataset} ({sum(q.dataset == p.dataset for q in plan.prompts)})"
-                                       for p in plan.prompts))  # fmt: skip
+    datasets = ", ".join(
+        dict.fromkeys(f"{p.dataset} ({sum(q.dataset == p.dataset for q in plan.prompts)})" for p in plan.prompts)
+    )
     lines = [
         "# Acceptance rates",
         "",
@@ -522,17 +606,30 @@ def report_markdown(plan: Plan, rows: list[dict], command: str, processes: int, 
     drafting = [r for r in rows if r["acceptance_by_position"]]
     if drafting:
         depth = max(len(r["acceptance_by_position"]) for r in drafting)
-        lines += ["", "## Acceptance by block position", "",
-                  "Position i: of the steps that drafted at least i tokens, the fraction whose first i were all accepted.",
-                  "", "| dataset | configuration | " + " | ".join(map(str, range(1, depth + 1))) + " |",
-                  "|---|---|" + "---:|" * depth]  # fmt: skip
+        lines += [
+            "",
+            "## Acceptance by block position",
+            "",
+            "Position i: of the steps that drafted at least i tokens, the fraction whose first i were all accepted.",
+            "",
+            "| dataset | configuration | " + " | ".join(map(str, range(1, depth + 1))) + " |",
+            "|---|---|" + "---:|" * depth,
+        ]
         for r in drafting:
             cells = [fmt(x) for x in r["acceptance_by_position"]] + [""] * (depth - len(r["acceptance_by_position"]))
             lines.append(f"| {r['dataset']} | {config_label(r)} | " + " | ".join(cells) + " |")
-        lines += ["", "## Accepted length per drafting step", "",
-                  "Fraction of the steps that drafted anything which accepted exactly n tokens.", ""]  # fmt: skip
+        lines += [
+            "",
+            "## Accepted length per drafting step",
+            "",
+            "Fraction of the steps that drafted anything which accepted exactly n tokens.",
+            "",
+        ]
         width = max(len(r["accepted_length_histogram"]) for r in drafting)
-        lines += ["| dataset | configuration | " + " | ".join(map(str, range(width))) + " |", "|---|---|" + "---:|" * width]
+        lines += [
+            "| dataset | configuration | " + " | ".join(map(str, range(width))) + " |",
+            "|---|---|" + "---:|" * width,
+        ]
         for r in drafting:
             histogram = r["accepted_length_histogram"]
             cells = [f"{n / sum(histogram):.2f}" for n in histogram] + [""] * (width - len(histogram))
@@ -563,12 +660,16 @@ def write_outputs(plan: Plan, records: list[dict], out: Path, command: str, proc
 def print_summary(rows: list[dict], out: Path, plotted: bool) -> None:
     d = max(len("dataset"), *(len(r["dataset"]) for r in rows)) + 2
     c = max(len("configuration"), *(len(config_label(r)) for r in rows)) + 2
-    print(f"{'dataset':<{d}}{'configuration':<{c}}{'runs':>5}{'tau':>7}{'tok/s':>8}{'plain':>8}{'speed-up':>10}"
-          f"{'accepted':>10}  = generate")  # fmt: skip
+    print(
+        f"{'dataset':<{d}}{'configuration':<{c}}{'runs':>5}{'tau':>7}{'tok/s':>8}{'plain':>8}{'speed-up':>10}"
+        f"{'accepted':>10}  = generate"
+    )
     for r in rows:
-        print(f"{r['dataset']:<{d}}{config_label(r):<{c}}{r['runs']:>5}{r['mean_tau']:>7.2f}{r['tokens_per_s']:>8.1f}"
-              f"{r['baseline_tokens_per_s']:>8.1f}{r['speedup']:>9.2f}x{fmt(r['acceptance_rate']):>10}  "
-              f"{matches_text(r) or '-'}")  # fmt: skip
+        print(
+            f"{r['dataset']:<{d}}{config_label(r):<{c}}{r['runs']:>5}{r['mean_tau']:>7.2f}{r['tokens_per_s']:>8.1f}"
+            f"{r['baseline_tokens_per_s']:>8.1f}{r['speedup']:>9.2f}x{fmt(r['acceptance_rate']):>10}  "
+            f"{matches_text(r) or '-'}"
+        )
     for line in against_fixed(rows):
         print(line)
     written = [RUNS_FILE, SUMMARY_FILE, REPORT_FILE] + (["*.png"] if plotted else [])
@@ -582,17 +683,23 @@ def print_summary(rows: list[dict], out: Path, plotted: bool) -> None:
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     parser = argparse.ArgumentParser(prog="python -m experiments.acceptance", description=__doc__.splitlines()[0])
-    parser.add_argument("--datasets", default="dev", help="comma list of dev, mt-bench, humaneval or .jsonl prompt files")
+    parser.add_argument(
+        "--datasets", default="dev", help="comma list of dev, mt-bench, humaneval or .jsonl prompt files"
+    )
     parser.add_argument("--drafters", default="lookup,none", help=f"comma list of {', '.join(DRAFTERS)}")
     parser.add_argument("--schedulers", default="heuristic", help=f"comma list of {NAMES_HELP}")
-    parser.add_argument("--block-sizes", default=None,
-                        help="comma list: the drafter's max_draft_len (default: each drafter's own)")  # fmt: skip
+    parser.add_argument(
+        "--block-sizes", default=None, help="comma list: the drafter's max_draft_len (default: each drafter's own)"
+    )
     parser.add_argument("--temperatures", default="0", help="comma list; 0 = greedy, else sampling at that temperature")
     parser.add_argument("--num-prompts", type=int, default=8, help="first N prompts of each dataset")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--model", default="default",
-                        help="default (SmolLM2-135M-Instruct), tiny (random, for tests) or a local checkpoint folder")  # fmt: skip
+    parser.add_argument(
+        "--model",
+        default="default",
+        help="default (SmolLM2-135M-Instruct), tiny (random, for tests) or a local checkpoint folder",
+    )
     parser.add_argument("--out", default="runs/acceptance", help="output folder; rerun with the same one to resume")
     return parser, parser.parse_args(argv)
 
@@ -618,9 +725,12 @@ def main(argv: list[str] | None = None, load=load_model) -> list[dict]:
     # cpu=True: the models run on the CPU, and gloo carries gather_object under any launcher.
     state = PartialState(cpu=True)  # one process unless started by `accelerate launch` or torchrun
     if state.num_processes == 1 and started_alone_by_accelerate():
-        print("warning: `accelerate launch --cpu --num_processes N` started a single process (it needs mpirun for more); "
-              "running unsharded. For N processes on the CPU use `accelerate launch --multi_gpu --num_processes N` "
-              "or `torchrun --nproc_per_node N`", file=sys.stderr)  # fmt: skip
+        print(
+            "warning: `accelerate launch --cpu --num_processes N` started a single process (it needs mpirun for more); "
+            "running unsharded. For N processes on the CPU use `accelerate launch --multi_gpu --num_processes N` "
+            "or `torchrun --nproc_per_node N`",
+            file=sys.stderr,
+        )
     out, runs_path = Path(args.out), Path(args.out) / RUNS_FILE
     if state.is_main_process:
         out.mkdir(parents=True, exist_ok=True)

@@ -33,24 +33,32 @@ def left_pad(rows: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch
     """Rows [1, n_b] as one left-padded batch and its attention mask."""
     width = max(row.shape[1] for row in rows)
     ids = torch.cat([torch.cat([row.new_full((1, width - row.shape[1]), pad_id), row], dim=1) for row in rows])
-    mask = torch.cat([torch.cat([row.new_zeros(1, width - row.shape[1]), row.new_ones(1, row.shape[1])], dim=1)
-                      for row in rows])  # fmt: skip
+    mask = torch.cat(
+        [torch.cat([row.new_zeros(1, width - row.shape[1]), row.new_ones(1, row.shape[1])], dim=1) for row in rows]
+    )
     return ids, mask
 
 
-def run(method: str, model, drafter, ids: torch.Tensor, mask: torch.Tensor, settings: dict) -> tuple[torch.Tensor, float]:
+def run(
+    method: str, model, drafter, ids: torch.Tensor, mask: torch.Tensor, settings: dict
+) -> tuple[torch.Tensor, float]:
     start = time.perf_counter()
     if method == "plain":
         out = model.generate(ids, attention_mask=mask, **settings)
     else:
-        out = hybrid.generate(model, ids, attention_mask=mask, drafter=drafter if method == "hybrid" else None, **settings)
+        out = hybrid.generate(
+            model, ids, attention_mask=mask, drafter=drafter if method == "hybrid" else None, **settings
+        )
     return out, time.perf_counter() - start
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m experiments.batching", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    parser.add_argument("--model", default="default", help="default (verifier + shipped drafter), tiny, or a checkpoint folder")
+    parser = argparse.ArgumentParser(
+        prog="python -m experiments.batching", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--model", default="default", help="default (verifier + shipped drafter), tiny, or a checkpoint folder"
+    )
     parser.add_argument("--dataset", default="mt-bench", help="dev, mt-bench, humaneval or a .jsonl file of prompts")
     parser.add_argument("--num-prompts", type=int, default=4)
     parser.add_argument("--batch-sizes", default="1,2,4")
@@ -79,11 +87,17 @@ def measure(args, sizes: list[int]) -> dict[str, dict]:
         (model, tokenizer), drafter = load_model(args.model), PromptLookupDrafter()
         model = model.to(args.device)
     pad_id = next((i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if i is not None), 0)
-    prompts = [encode_prompt(tokenizer, text).to(model.device) for text in load_prompts(args.dataset)[: args.num_prompts]]
-    settings = {"max_new_tokens": args.max_new_tokens, "min_new_tokens": args.max_new_tokens, "do_sample": False,
-                "pad_token_id": pad_id}  # fmt: skip
+    prompts = [
+        encode_prompt(tokenizer, text).to(model.device) for text in load_prompts(args.dataset)[: args.num_prompts]
+    ]
+    settings = {
+        "max_new_tokens": args.max_new_tokens,
+        "min_new_tokens": args.max_new_tokens,
+        "do_sample": False,
+        "pad_token_id": pad_id,
+    }
 
-    alone = [hybrid.generate(model, p, drafter=drafter, **settings)[0, p.shape[1]:] for p in prompts]  # also warms up
+    alone = [hybrid.generate(model, p, drafter=drafter, **settings)[0, p.shape[1] :] for p in prompts]  # also warms up
     tokens = args.num_prompts * args.max_new_tokens
     results = {}
     for size in sizes:
@@ -94,20 +108,33 @@ def measure(args, sizes: list[int]) -> dict[str, dict]:
                 out, took = run(method, model, drafter, ids, mask, settings)
                 seconds += took
                 if method != "plain":
-                    identical &= all(torch.equal(out[r, ids.shape[1]:], alone[start + r]) for r in range(out.shape[0]))
-            results[f"{method}@{size}"] = {"method": method, "batch_size": size, "tok_s": tokens / seconds,
-                                           "identical": None if method == "plain" else identical}  # fmt: skip
-            print(f"batch {size}  {method:<12} {tokens / seconds:6.1f} tok/s"
-                  + ("" if method == "plain" else f"   rows identical to batch 1: {'yes' if identical else 'NO'}"), flush=True)
+                    identical &= all(torch.equal(out[r, ids.shape[1] :], alone[start + r]) for r in range(out.shape[0]))
+            results[f"{method}@{size}"] = {
+                "method": method,
+                "batch_size": size,
+                "tok_s": tokens / seconds,
+                "identical": None if method == "plain" else identical,
+            }
+            print(
+                f"batch {size}  {method:<12} {tokens / seconds:6.1f} tok/s"
+                + ("" if method == "plain" else f"   rows identical to batch 1: {'yes' if identical else 'NO'}"),
+                flush=True,
+            )
 
-    print(f"\n{args.dataset}: {args.num_prompts} prompts, {args.max_new_tokens} new tokens each, greedy, "
-          f"{torch.get_num_threads()} threads")
-    print(f"{'batch':>5}  {'plain tok/s':>11}  {'hybrid tok/s':>12}  {'speed-up':>8}  {'no-draft tok/s':>14}  {'vs plain':>8}  identical")
+    print(
+        f"\n{args.dataset}: {args.num_prompts} prompts, {args.max_new_tokens} new tokens each, greedy, "
+        f"{torch.get_num_threads()} threads"
+    )
+    print(
+        f"{'batch':>5}  {'plain tok/s':>11}  {'hybrid tok/s':>12}  {'speed-up':>8}  {'no-draft tok/s':>14}  {'vs plain':>8}  identical"
+    )
     for size in sizes:
         plain, ours, none = (results[f"{m}@{size}"] for m in METHODS)
-        print(f"{size:>5}  {plain['tok_s']:>11.1f}  {ours['tok_s']:>12.1f}  {ours['tok_s'] / plain['tok_s']:>7.2f}x  "
-              f"{none['tok_s']:>14.1f}  {none['tok_s'] / plain['tok_s']:>7.2f}x  "
-              f"{'yes' if ours['identical'] and none['identical'] else 'NO'}")  # fmt: skip
+        print(
+            f"{size:>5}  {plain['tok_s']:>11.1f}  {ours['tok_s']:>12.1f}  {ours['tok_s'] / plain['tok_s']:>7.2f}x  "
+            f"{none['tok_s']:>14.1f}  {none['tok_s'] / plain['tok_s']:>7.2f}x  "
+            f"{'yes' if ours['identical'] and none['identical'] else 'NO'}"
+        )
     return results
 
 

@@ -48,12 +48,32 @@ from schedulers import FixedScheduler
 from schedulers.registry import NAMES_HELP, check_scheduler_name, make_scheduler
 from verifiers.prompts import encode_prompt
 
-METHODS = ("plain", "hf-lookup", "hybrid-none", "hybrid-lookup", "hybrid-lookup-store", "hybrid-block", "hybrid-block-lookup",
-           "hybrid-block-lookup-store", "hybrid-block-long-lookup", "hybrid-block-long-lookup-store", "hybrid-match-store", "hybrid-default", "hybrid-ar",
-           "oracle")
+METHODS = (
+    "plain",
+    "hf-lookup",
+    "hybrid-none",
+    "hybrid-lookup",
+    "hybrid-lookup-store",
+    "hybrid-block",
+    "hybrid-block-lookup",
+    "hybrid-block-lookup-store",
+    "hybrid-block-long-lookup",
+    "hybrid-block-long-lookup-store",
+    "hybrid-match-store",
+    "hybrid-default",
+    "hybrid-ar",
+    "oracle",
+)
 DEFAULT_METHODS = ("plain", "hf-lookup", "hybrid-none", "hybrid-lookup", "hybrid-default", "oracle")
-TRAINED = ("hybrid-block", "hybrid-block-lookup", "hybrid-block-lookup-store", "hybrid-block-long-lookup", "hybrid-default",
-           "hybrid-block-long-lookup-store", "hybrid-ar")  # drafters trained for the default verifier
+TRAINED = (
+    "hybrid-block",
+    "hybrid-block-lookup",
+    "hybrid-block-lookup-store",
+    "hybrid-block-long-lookup",
+    "hybrid-default",
+    "hybrid-block-long-lookup-store",
+    "hybrid-ar",
+)  # drafters trained for the default verifier
 RECORDS_FILE = "bench.jsonl"
 _SCHEDULERS: dict[str, object] = {}  # one per "method+layout@scheduler", kept across prompts as the default one is
 WARM_UP: dict[str, float] = {}  # compiled method -> seconds of its warm-up call in this process
@@ -61,7 +81,7 @@ LAYOUTS = ("static", "compiled")  # cache layouts a method may add after "+"
 
 
 def parse_method(method: str) -> tuple[str, str | None, str | None]:
-    """"hybrid-default+compiled@fixed-4" -> ("hybrid-default", "compiled", "fixed-4"); a part left out is None."""
+    """ "hybrid-default+compiled@fixed-4" -> ("hybrid-default", "compiled", "fixed-4"); a part left out is None."""
     name, _, scheduler = method.partition("@")
     base, _, layout = name.partition("+")
     return base, layout or None, scheduler or None
@@ -89,9 +109,12 @@ def make_drafter(method: str, model, reference: torch.Tensor):
         "hybrid-block": lambda: trained_drafters.block(model, drafted),
         "hybrid-block-lookup": lambda: trained_drafters.block(model, drafted, lookup=True),
         "hybrid-block-lookup-store": lambda: trained_drafters.block(model, drafted, lookup=True, store=True),
-        "hybrid-block-long-lookup": lambda: trained_drafters.block(model, trained_drafters.LONG_LOOKUP_TOKENS, long_lookup=True),
-        "hybrid-block-long-lookup-store": lambda: trained_drafters.block(model, trained_drafters.LONG_LOOKUP_TOKENS,
-                                                                         long_lookup=True, store=True),
+        "hybrid-block-long-lookup": lambda: trained_drafters.block(
+            model, trained_drafters.LONG_LOOKUP_TOKENS, long_lookup=True
+        ),
+        "hybrid-block-long-lookup-store": lambda: trained_drafters.block(
+            model, trained_drafters.LONG_LOOKUP_TOKENS, long_lookup=True, store=True
+        ),
         "hybrid-match-store": lambda: trained_drafters.match_store(trained_drafters.LONG_LOOKUP_TOKENS),
         "hybrid-default": lambda: trained_drafters.default(model),
         "hybrid-ar": lambda: trained_drafters.ar(model, drafted),
@@ -99,7 +122,9 @@ def make_drafter(method: str, model, reference: torch.Tensor):
     }[method]()
 
 
-def run_method(method: str, model, input_ids, reference, max_new_tokens: int) -> tuple[torch.Tensor, float, float | None]:
+def run_method(
+    method: str, model, input_ids, reference, max_new_tokens: int
+) -> tuple[torch.Tensor, float, float | None]:
     """(output, seconds, tau or None) for one method on one prompt."""
     settings = {"max_new_tokens": max_new_tokens, "do_sample": False, "attention_mask": torch.ones_like(input_ids)}
     name = method
@@ -115,7 +140,9 @@ def run_method(method: str, model, input_ids, reference, max_new_tokens: int) ->
         scheduler = FixedScheduler(16) if method == "oracle" and scheduler_name is None else None
         if scheduler_name is not None:
             scheduler = _SCHEDULERS.setdefault(name, make_scheduler(scheduler_name, drafter.max_draft_len))
-        out, stats = hybrid.generate(model, input_ids, drafter=drafter, scheduler=scheduler, return_stats=True, **settings)
+        out, stats = hybrid.generate(
+            model, input_ids, drafter=drafter, scheduler=scheduler, return_stats=True, **settings
+        )
         tau = stats.tau
     return out, time.perf_counter() - start, tau
 
@@ -130,8 +157,14 @@ def measurement_key(record: dict) -> tuple:
 
 def identity(args, text: str, repeat: int, method: str) -> dict:
     """The fields that name one measurement (what `measurement_key` reads)."""
-    return {"model": args.model, "dataset": args.dataset, "prompt_sha": prompt_sha(text),
-            "max_new_tokens": args.max_new_tokens, "repeat": repeat, "method": method}  # fmt: skip
+    return {
+        "model": args.model,
+        "dataset": args.dataset,
+        "prompt_sha": prompt_sha(text),
+        "max_new_tokens": args.max_new_tokens,
+        "repeat": repeat,
+        "method": method,
+    }
 
 
 def schedule(args, prompts: list[tuple[int, str]]) -> list[tuple[int, int, str, str]]:
@@ -145,11 +178,15 @@ def schedule(args, prompts: list[tuple[int, str]]) -> list[tuple[int, int, str, 
     return order
 
 
-def run_shard(args, prompts: list[tuple[int, str]], done: set[tuple], path: Path, load=load_model,
-              show_progress: bool = True) -> list[dict]:  # fmt: skip
+def run_shard(
+    args, prompts: list[tuple[int, str]], done: set[tuple], path: Path, load=load_model, show_progress: bool = True
+) -> list[dict]:
     """Measure every pending (repeat, prompt, method) of `prompts`, appending each record to `path`."""
-    pending = [(r, i, text, m) for r, i, text, m in schedule(args, prompts)
-               if measurement_key(identity(args, text, r, m)) not in done]  # fmt: skip
+    pending = [
+        (r, i, text, m)
+        for r, i, text, m in schedule(args, prompts)
+        if measurement_key(identity(args, text, r, m)) not in done
+    ]
     if not pending:
         return []
     model, tokenizer = load(args.model)
@@ -168,8 +205,12 @@ def _measure(args, model, tokenizer, pending, path: Path, show_progress: bool) -
     for r, i, text, method in pending:
         input_ids = encode_prompt(tokenizer, text).to(model.device)
         if i not in references:  # the greedy output every method must reproduce (and the oracle proposes)
-            references[i] = model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
-                                           max_new_tokens=args.max_new_tokens, do_sample=False)  # fmt: skip
+            references[i] = model.generate(
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                max_new_tokens=args.max_new_tokens,
+                do_sample=False,
+            )
         if parse_method(method)[1] == "compiled" and (i, method) not in warmed:
             # Compile what this prompt's shapes need before timing it (model.generate's static cache is sized
             # per prompt, so it may recompile for each; hybrid's capacity is rounded up, so it rarely does).
@@ -177,8 +218,14 @@ def _measure(args, model, tokenizer, pending, path: Path, show_progress: bool) -
             WARM_UP[method] = WARM_UP.get(method, 0.0) + seconds
             warmed.add((i, method))
         out, seconds, tau = run_method(method, model, input_ids, references[i], args.max_new_tokens)
-        record = dict(identity(args, text, r, method), prompt_index=i, new_tokens=out.shape[1] - input_ids.shape[1],
-                      seconds=seconds, tau=tau, identical=bool(torch.equal(out, references[i])))  # fmt: skip
+        record = dict(
+            identity(args, text, r, method),
+            prompt_index=i,
+            new_tokens=out.shape[1] - input_ids.shape[1],
+            seconds=seconds,
+            tau=tau,
+            identical=bool(torch.equal(out, references[i])),
+        )
         append_record(path, record)
         records.append(record)
         bar.update()
@@ -206,10 +253,16 @@ def summarize(args, records: list[dict]) -> dict[str, dict]:
     rows = {}
     for m in args.methods:
         med = statistics.median(tps[m])
-        rows[m] = {"tokens_per_s": med, "min": min(tps[m]), "max": max(tps[m]),
-                   "tau": statistics.mean(taus[m].values()) if taus[m] else None,
-                   "speedup": med / base if base else None, "fraction_of_oracle": med / ceiling if ceiling else None,
-                   "identical_to_plain": identical[m], "warm_up_s": WARM_UP.get(m)}  # fmt: skip
+        rows[m] = {
+            "tokens_per_s": med,
+            "min": min(tps[m]),
+            "max": max(tps[m]),
+            "tau": statistics.mean(taus[m].values()) if taus[m] else None,
+            "speedup": med / base if base else None,
+            "fraction_of_oracle": med / ceiling if ceiling else None,
+            "identical_to_plain": identical[m],
+            "warm_up_s": WARM_UP.get(m),
+        }
     return rows
 
 
@@ -217,29 +270,40 @@ def print_table(args, rows: dict[str, dict], num_prompts: int, processes: int) -
     def fmt(x, spec):
         return "-" if x is None else format(x, spec)
 
-    print(f"\n{args.dataset}: {num_prompts} prompts, {args.max_new_tokens} new tokens, {args.repeats} repeats, greedy, "
-          f"{processes} process(es) x {torch.get_num_threads()} threads")  # fmt: skip
+    print(
+        f"\n{args.dataset}: {num_prompts} prompts, {args.max_new_tokens} new tokens, {args.repeats} repeats, greedy, "
+        f"{processes} process(es) x {torch.get_num_threads()} threads"
+    )
     print(f"{'method':<28}{'tok/s':>8}{'spread':>14}{'tau':>7}{'speed-up':>10}{'of oracle':>11}  identical")
     for m, row in rows.items():
         spread = f"{row['min']:.1f}-{row['max']:.1f}"
-        print(f"{m:<28}{row['tokens_per_s']:>8.1f}{spread:>14}{fmt(row['tau'], '.2f'):>7}{fmt(row['speedup'], '.2f'):>9}x"
-              f"{fmt(row['fraction_of_oracle'], '.2f'):>11}  {'yes' if row['identical_to_plain'] else 'NO'}")  # fmt: skip
+        print(
+            f"{m:<28}{row['tokens_per_s']:>8.1f}{spread:>14}{fmt(row['tau'], '.2f'):>7}{fmt(row['speedup'], '.2f'):>9}x"
+            f"{fmt(row['fraction_of_oracle'], '.2f'):>11}  {'yes' if row['identical_to_plain'] else 'NO'}"
+        )
     for m, row in rows.items():
         if row["warm_up_s"] is not None:
             print(f"{m}: {row['warm_up_s']:.1f} s of untimed warm-up (compiling) over the prompts this process ran")
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(prog="python -m experiments.bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="python -m experiments.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--dataset", default="dev", help="dev, mt-bench, humaneval or a .jsonl file of prompts")
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--methods", default=",".join(DEFAULT_METHODS),
-                        help=f"comma-separated subset of {METHODS}; a hybrid one may add @SCHEDULER ({NAMES_HELP})")
-    parser.add_argument("--model", default="default",
-                        help="default (SmolLM2-135M-Instruct), tiny (random, for tests) or a local checkpoint folder")  # fmt: skip
+    parser.add_argument(
+        "--methods",
+        default=",".join(DEFAULT_METHODS),
+        help=f"comma-separated subset of {METHODS}; a hybrid one may add @SCHEDULER ({NAMES_HELP})",
+    )
+    parser.add_argument(
+        "--model",
+        default="default",
+        help="default (SmolLM2-135M-Instruct), tiny (random, for tests) or a local checkpoint folder",
+    )
     parser.add_argument("--device", default="cpu", help="where the verifier and drafters run (cpu, cuda, cuda:1)")
     parser.add_argument("--out", default="runs/bench", help="folder for bench.jsonl and summary.json; rerun to resume")
     args = parser.parse_args(argv)
@@ -262,8 +326,10 @@ def parse_args(argv):
             except ValueError as error:
                 parser.error(f"{method}: {error}")
     if args.model != "default" and set(bases) & set(TRAINED):
-        parser.error(f"{sorted(set(bases) & set(TRAINED))} are trained for the default verifier: "
-                     f"drop them or use --model default")  # fmt: skip
+        parser.error(
+            f"{sorted(set(bases) & set(TRAINED))} are trained for the default verifier: "
+            f"drop them or use --model default"
+        )
     for name in ("num_prompts", "max_new_tokens", "repeats"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -290,8 +356,14 @@ def main(argv=None, load=load_model) -> dict[str, dict]:
     done = read_records(path, key=measurement_key)
     state.wait_for_everyone()  # everyone has read the file before anyone appends to it
     indexed = list(enumerate(prompts))
-    new = run_shard(args, indexed[state.process_index :: state.num_processes], {measurement_key(r) for r in done}, path,
-                    load, show_progress=state.is_main_process)  # fmt: skip
+    new = run_shard(
+        args,
+        indexed[state.process_index :: state.num_processes],
+        {measurement_key(r) for r in done},
+        path,
+        load,
+        show_progress=state.is_main_process,
+    )
     new = gather_object(new) if state.num_processes > 1 else new
     # Every process is done with the others: close the group now, not at interpreter exit, where gloo's threads
     # being torn down once aborted a worker ("terminate called without an active exception", SIGABRT).
@@ -303,7 +375,12 @@ def main(argv=None, load=load_model) -> dict[str, dict]:
     rows = summarize(args, records)
     print_table(args, rows, len(prompts), state.num_processes)
     command = ["python", "-m", "experiments.bench", *(sys.argv[1:] if argv is None else argv)]
-    summary = {"command": command, "processes": state.num_processes, "threads": torch.get_num_threads(), "methods": rows}
+    summary = {
+        "command": command,
+        "processes": state.num_processes,
+        "threads": torch.get_num_threads(),
+        "methods": rows,
+    }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return rows
 

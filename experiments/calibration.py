@@ -16,7 +16,6 @@ import argparse
 import json
 from pathlib import Path
 
-
 import hybrid
 from experiments.datasets import load_prompts
 from schedulers import CostAwareScheduler
@@ -44,7 +43,13 @@ def reliability(log, bins: int = 10) -> list[dict]:
         lo, hi = b / bins, (b + 1) / bins
         cell = [(p, ok) for _, p, ok in log if lo <= p < hi or (b == bins - 1 and p == 1.0)]
         if cell:
-            rows.append({"predicted": sum(p for p, _ in cell) / len(cell), "observed": sum(ok for _, ok in cell) / len(cell), "n": len(cell)})
+            rows.append(
+                {
+                    "predicted": sum(p for p, _ in cell) / len(cell),
+                    "observed": sum(ok for _, ok in cell) / len(cell),
+                    "n": len(cell),
+                }
+            )
     return rows
 
 
@@ -62,9 +67,14 @@ def main(argv=None):
     schedule_time = total_time = steps = 0
     for prompt in prompts:
         ids = encode_prompt(tokenizer, prompt)
-        _, stats = hybrid.generate(model, ids, drafter=drafter, scheduler=scheduler, max_new_tokens=args.max_new_tokens,
-                                   return_stats=True)  # fmt: skip
-        schedule_time, total_time, steps = schedule_time + stats.schedule_time, total_time + stats.total_time, steps + stats.verifier_forwards
+        _, stats = hybrid.generate(
+            model, ids, drafter=drafter, scheduler=scheduler, max_new_tokens=args.max_new_tokens, return_stats=True
+        )
+        schedule_time, total_time, steps = (
+            schedule_time + stats.schedule_time,
+            total_time + stats.total_time,
+            steps + stats.verifier_forwards,
+        )
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -74,16 +84,22 @@ def main(argv=None):
     by_position = []
     for i in positions:
         cell = [(p, ok) for j, p, ok in scheduler.log if j == i]
-        row = {"position": i, "n": len(cell), "predicted": sum(p for p, _ in cell) / len(cell),
-               "observed": sum(ok for _, ok in cell) / len(cell)}  # fmt: skip
+        row = {
+            "position": i,
+            "n": len(cell),
+            "predicted": sum(p for p, _ in cell) / len(cell),
+            "observed": sum(ok for _, ok in cell) / len(cell),
+        }
         by_position.append(row)
         print(f"{i:>8}{row['n']:>7}{row['predicted']:>11.2f}{row['observed']:>10.2f}")
     bins = reliability(scheduler.log)
     gap = sum(abs(r["predicted"] - r["observed"]) * r["n"] for r in bins) / max(len(scheduler.log), 1)
     print(f"expected calibration error (10 bins): {gap:.3f}")
     # The recording itself runs inside update(), so this slightly overstates the scheduler's own cost.
-    print(f"scheduler overhead: {100 * schedule_time / total_time:.2f}% of decoding time, "
-          f"{1000 * schedule_time / steps:.2f} ms per step")
+    print(
+        f"scheduler overhead: {100 * schedule_time / total_time:.2f}% of decoding time, "
+        f"{1000 * schedule_time / steps:.2f} ms per step"
+    )
     (out / "reliability.json").write_text(json.dumps({"by_position": by_position, "bins": bins, "ece": gap}, indent=2))
     scheduler.save_calibration(out / "calibration.json")
     try:

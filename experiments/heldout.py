@@ -41,7 +41,11 @@ ANCHORS_PER_ANSWER = 8
 
 
 def prompts_of(answers: Path) -> set[tuple[int, ...]]:
-    return {tuple(r["ids"][: r["prompt_len"]]) for f in sorted(answers.glob("gen-*.json")) for r in json.loads(f.read_text())}
+    return {
+        tuple(r["ids"][: r["prompt_len"]])
+        for f in sorted(answers.glob("gen-*.json"))
+        for r in json.loads(f.read_text())
+    }
 
 
 def held_out_store(verifier, tokenizer, answers: Path, exclude: Path | None, work_dir: Path, layers) -> FeatureStore:
@@ -51,7 +55,9 @@ def held_out_store(verifier, tokenizer, answers: Path, exclude: Path | None, wor
     if exclude is not None:
         seen = prompts_of(exclude)
         held = [s for s in held if tuple(s["ids"][: s["prompt_len"]]) not in seen]
-    key = hashlib.sha256(json.dumps([str(answers.resolve()), str(exclude and exclude.resolve()), list(layers)]).encode())
+    key = hashlib.sha256(
+        json.dumps([str(answers.resolve()), str(exclude and exclude.resolve()), list(layers)]).encode()
+    )
     root = work_dir / f"heldout-{answers.name}-{key.hexdigest()[:8]}"
     print(f"{len(held)} held-out answers ({sum(len(s['ids']) for s in held)} tokens); features in {root}", flush=True)
     return build_features(verifier, held, root, tuple(layers))
@@ -64,8 +70,15 @@ def reveal_accuracy(model, embed, head, store, anchors, vmap, revealed: int) -> 
     with torch.no_grad():
         for start in range(0, len(anchors), 4):
             chunk = anchors[start : start + 4]
-            batch = block_batch(store, [i for i, _ in chunk], None, max(len(a) for _, a in chunk), B, vmap,
-                                anchors=[a for _, a in chunk])  # fmt: skip
+            batch = block_batch(
+                store,
+                [i for i, _ in chunk],
+                None,
+                max(len(a) for _, a in chunk),
+                B,
+                vmap,
+                anchors=[a for _, a in chunk],
+            )
             batch["known"][..., 1 : 1 + revealed] = True
             predicted = vocab[block_forward(model, embed, head, batch).argmax(-1)]
             hits += ((predicted == batch["full_targets"]) & batch["valid"]).sum((0, 1)).numpy()
@@ -92,26 +105,47 @@ def match(max_ngram: int) -> str:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m experiments.heldout", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--answers", type=Path, required=True, help="a folder of gen-*.json answers (drafters.training.train)")
-    parser.add_argument("--exclude-prompts-of", type=Path, default=None, help="drop held-out answers prompted in this folder")
-    parser.add_argument("--block", type=Path, action="append", default=[], help="a block drafter checkpoint (repeatable)")
+    parser = argparse.ArgumentParser(
+        prog="python -m experiments.heldout", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--answers", type=Path, required=True, help="a folder of gen-*.json answers (drafters.training.train)"
+    )
+    parser.add_argument(
+        "--exclude-prompts-of", type=Path, default=None, help="drop held-out answers prompted in this folder"
+    )
+    parser.add_argument(
+        "--block", type=Path, action="append", default=[], help="a block drafter checkpoint (repeatable)"
+    )
     parser.add_argument("--ar", type=Path, action="append", default=[], help="an AR baseline checkpoint (repeatable)")
     parser.add_argument("--passes", default="1", help="denoising passes to score the block drafters with, e.g. 1,2,3")
     parser.add_argument("--lookup", default="7,15", help="prompt lookup's draft lengths")
-    parser.add_argument("--ngram-store", type=Path, default=None, help="also an NgramStore alone and continuing prompt lookup")
-    parser.add_argument("--max-ngrams", default="3", help="longest context matches prompt lookup looks for, e.g. 3,8,32")
-    parser.add_argument("--prefer-store", type=float, default=None, help="also lookup + store with the store's continuation "
-                                                                        "preferred over a one-token match at this share")
-    parser.add_argument("--reveal", action="store_true", help="also the teacher-forced accuracy with the first token given")
+    parser.add_argument(
+        "--ngram-store", type=Path, default=None, help="also an NgramStore alone and continuing prompt lookup"
+    )
+    parser.add_argument(
+        "--max-ngrams", default="3", help="longest context matches prompt lookup looks for, e.g. 3,8,32"
+    )
+    parser.add_argument(
+        "--prefer-store",
+        type=float,
+        default=None,
+        help="also lookup + store with the store's continuation preferred over a one-token match at this share",
+    )
+    parser.add_argument(
+        "--reveal", action="store_true", help="also the teacher-forced accuracy with the first token given"
+    )
     parser.add_argument("--work-dir", type=Path, default=DEFAULT_WORK_DIR)
     args = parser.parse_args(argv)
     for folder in [args.answers] + ([args.exclude_prompts_of] if args.exclude_prompts_of else []):
         if not any(folder.glob("gen-*.json")):
-            parser.error(f"{folder} holds no gen-*.json answers: pass the generate stage's folder of `drafters.training.train`")
+            parser.error(
+                f"{folder} holds no gen-*.json answers: pass the generate stage's folder of `drafters.training.train`"
+            )
     if args.ar and not args.block:
-        parser.error("--ar needs a --block checkpoint: the baseline drafts over that drafter's vocabulary, as in training")
+        parser.error(
+            "--ar needs a --block checkpoint: the baseline drafts over that drafter's vocabulary, as in training"
+        )
     passes, lookups = positive_ints(parser, "--passes", args.passes), positive_ints(parser, "--lookup", args.lookup)
     max_ngrams = positive_ints(parser, "--max-ngrams", args.max_ngrams)
     try:
@@ -125,39 +159,50 @@ def main(argv=None) -> None:
     layers = blocks[0][1].config.target_layers if blocks else (2, 9, 16, 23, 30)
     store = held_out_store(verifier, tokenizer, args.answers, args.exclude_prompts_of, args.work_dir, layers)
     anchors = held_out_anchors(store, list(range(len(store))), per_seq=ANCHORS_PER_ANSWER, seed=0)
-    print(f"{sum(len(a) for _, a in anchors)} anchors\n\n| drafter | held-out tau | accepted at positions 1 / 2 / ... |\n|---|---:|---|")
+    print(
+        f"{sum(len(a) for _, a in anchors)} anchors\n\n| drafter | held-out tau | accepted at positions 1 / 2 / ... |\n|---|---:|---|"
+    )
     for n in lookups:
         for m in max_ngrams:
             print(f"| prompt lookup{match(m)}, {n} tokens | {lookup_tau(store, anchors, n + 1, max_ngram=m):.3f} | |")
     if ngrams is not None:
         for n in lookups:
-            print(f"| n-gram store alone, {n} tokens | {lookup_tau(store, anchors, n + 1, ngrams, min_ngram=0):.3f} | |")
+            print(
+                f"| n-gram store alone, {n} tokens | {lookup_tau(store, anchors, n + 1, ngrams, min_ngram=0):.3f} | |"
+            )
             for m in max_ngrams:
                 tau = lookup_tau(store, anchors, n + 1, ngrams, max_ngram=m)
                 print(f"| prompt lookup{match(m)} + n-gram store, {n} tokens | {tau:.3f} | |")
                 if args.prefer_store is not None:
                     tau = lookup_tau(store, anchors, n + 1, ngrams, max_ngram=m, prefer_store=args.prefer_store)
-                    print(f"| prompt lookup{match(m)} + n-gram store, preferred over a 1-token match at share "
-                          f">= {args.prefer_store}, {n} tokens | {tau:.3f} | |")
+                    print(
+                        f"| prompt lookup{match(m)} + n-gram store, preferred over a 1-token match at share "
+                        f">= {args.prefer_store}, {n} tokens | {tau:.3f} | |"
+                    )
     vocab_size = verifier.get_input_embeddings().weight.shape[0]
     for path, model in blocks:
         embed, head = frozen_verifier_parts(verifier, model.draft_vocab)
         vmap = VocabMap(model.draft_vocab, vocab_size)
         for p in passes:
-            tau, by_position = estimate_tau("block", model, embed, head, store, anchors, vmap, model.draft_vocab,
-                                            model.config.block_size, passes=p)  # fmt: skip
+            tau, by_position = estimate_tau(
+                "block", model, embed, head, store, anchors, vmap, model.draft_vocab, model.config.block_size, passes=p
+            )
             print(row(f"{path}, {p} pass{'es' if p > 1 else ''}", tau, by_position), flush=True)
         if args.reveal:
             for revealed in (0, 1):
                 accuracy = reveal_accuracy(model, embed, head, store, anchors, vmap, revealed)
-                print(f"{path}: teacher-forced accuracy by position, true tokens given at 1..{revealed}: "
-                      + " / ".join(f"{x:.3f}" for x in accuracy[revealed:]) + f" (positions {revealed + 1}..)")
+                print(
+                    f"{path}: teacher-forced accuracy by position, true tokens given at 1..{revealed}: "
+                    + " / ".join(f"{x:.3f}" for x in accuracy[revealed:])
+                    + f" (positions {revealed + 1}..)"
+                )
     vocab = blocks[0][1].draft_vocab if blocks else None
     for path in args.ar:
         model = load_ar_model(path, verifier).float()
         embed, head = frozen_verifier_parts(verifier, vocab)
-        tau, by_position = estimate_tau("ar", model, embed, head, store, anchors, VocabMap(vocab, vocab_size), vocab,
-                                        blocks[0][1].config.block_size)  # fmt: skip
+        tau, by_position = estimate_tau(
+            "ar", model, embed, head, store, anchors, VocabMap(vocab, vocab_size), vocab, blocks[0][1].config.block_size
+        )
         print(row(f"{path} (AR baseline)", tau, by_position), flush=True)
 
 

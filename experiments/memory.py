@@ -72,13 +72,29 @@ def measure(method: str, model_name: str, max_new_tokens: int, device: str) -> d
         out = model.generate(input_ids, **settings)
     else:
         out = hybrid.generate(model, input_ids, drafter=drafter, **settings)
-    return {"method": method, "device": str(model.device), "new_tokens": out.shape[1] - input_ids.shape[1],
-            "loaded_bytes": loaded, "peak_bytes": peak_bytes(model.device)}  # fmt: skip
+    return {
+        "method": method,
+        "device": str(model.device),
+        "new_tokens": out.shape[1] - input_ids.shape[1],
+        "loaded_bytes": loaded,
+        "peak_bytes": peak_bytes(model.device),
+    }
 
 
 def run_child(method: str, args) -> dict:
-    command = [sys.executable, "-m", "experiments.memory", "--child", method, "--model", args.model,
-               "--max-new-tokens", str(args.max_new_tokens), "--device", args.device]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "experiments.memory",
+        "--child",
+        method,
+        "--model",
+        args.model,
+        "--max-new-tokens",
+        str(args.max_new_tokens),
+        "--device",
+        args.device,
+    ]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(f"the {method} run failed:\n{result.stderr[-2000:]}")
@@ -86,9 +102,12 @@ def run_child(method: str, args) -> dict:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m experiments.memory", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    parser.add_argument("--model", default="default", help="default (verifier + shipped drafter), tiny, or a checkpoint folder")
+    parser = argparse.ArgumentParser(
+        prog="python -m experiments.memory", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--model", default="default", help="default (verifier + shipped drafter), tiny, or a checkpoint folder"
+    )
     parser.add_argument("--max-new-tokens", type=int, default=1024)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--child", choices=METHODS, help=argparse.SUPPRESS)
@@ -102,8 +121,10 @@ def main(argv=None) -> dict:
     mib = 2**20
     print(f"{args.model} model, {args.max_new_tokens} new tokens, {runs['plain']['device']}:")
     for method, r in runs.items():
-        print(f"  {method:<7} peak {r['peak_bytes'] / mib:8.1f} MiB   after loading {r['loaded_bytes'] / mib:8.1f} MiB   "
-              f"added by decoding {(r['peak_bytes'] - r['loaded_bytes']) / mib:7.1f} MiB   ({r['new_tokens']} tokens)")  # fmt: skip
+        print(
+            f"  {method:<7} peak {r['peak_bytes'] / mib:8.1f} MiB   after loading {r['loaded_bytes'] / mib:8.1f} MiB   "
+            f"added by decoding {(r['peak_bytes'] - r['loaded_bytes']) / mib:7.1f} MiB   ({r['new_tokens']} tokens)"
+        )
     ratio = runs["hybrid"]["peak_bytes"] / runs["plain"]["peak_bytes"]
     print(f"  hybrid / plain peak: {ratio:.3f}x")
     return {"runs": runs, "ratio": ratio}

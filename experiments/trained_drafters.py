@@ -9,8 +9,16 @@ from drafters import BlockDiffusionDrafter, ChainDrafter, Drafter, ModelDrafter,
 from drafters.ar_baseline import load_ar_model
 from drafters.ngram_store import NgramStore
 from drafters.training.train import DEFAULT_WORK_DIR
-from hybrid.default import (DRAFTER_DIR, DRAFTER_LOOKUP_MAX_NGRAM, DRAFTER_LOOKUP_NGRAM, DRAFTER_LOOKUP_TOKENS, DRAFTER_NGRAM_DIR,
-                            DRAFTER_PREFER_STORE, default_drafter, shipped_block_size)
+from hybrid.default import (
+    DRAFTER_DIR,
+    DRAFTER_LOOKUP_MAX_NGRAM,
+    DRAFTER_LOOKUP_NGRAM,
+    DRAFTER_LOOKUP_TOKENS,
+    DRAFTER_NGRAM_DIR,
+    DRAFTER_PREFER_STORE,
+    default_drafter,
+    shipped_block_size,
+)
 
 AR_DIR = DEFAULT_WORK_DIR / "ar-drafter"
 MAX_DRAFTED = shipped_block_size() - 1  # the shipped drafter's block minus its anchor
@@ -18,19 +26,31 @@ LONG_LOOKUP_TOKENS = DRAFTER_LOOKUP_TOKENS  # what lookup may propose past the b
 
 
 @lru_cache(maxsize=None)
-def block(model, drafted: int, lookup: bool = False, steps: int = 1, path: Path = DRAFTER_DIR,
-          long_lookup: bool = False, store: bool = False) -> Drafter:
+def block(
+    model,
+    drafted: int,
+    lookup: bool = False,
+    steps: int = 1,
+    path: Path = DRAFTER_DIR,
+    long_lookup: bool = False,
+    store: bool = False,
+) -> Drafter:
     """The shipped block-diffusion drafter proposing up to `drafted` tokens (block = anchor + drafted), with
     `steps` denoising passes. With `lookup`, a context match (n-grams 1..3) gives the block's first positions; with
     `long_lookup`, the block stays the trained one and a match may propose up to `drafted` tokens past it. With
     `store`, the shipped n-gram store continues the lookup (or, without one, stands in for it)."""
     block_drafter = BlockDiffusionDrafter.from_pretrained(
-        path, model, block_size=min(drafted, MAX_DRAFTED) + 1 if long_lookup else drafted + 1, steps=steps)
+        path, model, block_size=min(drafted, MAX_DRAFTED) + 1 if long_lookup else drafted + 1, steps=steps
+    )
     if not (lookup or long_lookup or store):
         return block_drafter
-    match = PromptLookupDrafter(min_ngram=DRAFTER_LOOKUP_NGRAM if lookup or long_lookup else 0, max_ngram=3,
-                                max_draft_len=drafted if long_lookup else block_drafter.max_draft_len,
-                                ngram_store=ngram_store() if store else None, verifier=model)
+    match = PromptLookupDrafter(
+        min_ngram=DRAFTER_LOOKUP_NGRAM if lookup or long_lookup else 0,
+        max_ngram=3,
+        max_draft_len=drafted if long_lookup else block_drafter.max_draft_len,
+        ngram_store=ngram_store() if store else None,
+        verifier=model,
+    )
     return ChainDrafter([match, block_drafter])
 
 
@@ -38,14 +58,19 @@ def block(model, drafted: int, lookup: bool = False, steps: int = 1, path: Path 
 def default(model, drafted: int = DRAFTER_LOOKUP_TOKENS) -> ChainDrafter:
     """`hybrid.load_default()`'s drafter (the block model, the longest context match up to 32 tokens and the store),
     proposing up to `drafted` tokens (16 by default)."""
-    return default_drafter(model, ngram_store=ngram_store(), lookup_tokens=drafted,
-                           block_size=min(drafted, MAX_DRAFTED) + 1)
+    return default_drafter(
+        model, ngram_store=ngram_store(), lookup_tokens=drafted, block_size=min(drafted, MAX_DRAFTED) + 1
+    )
 
 
 def match_store(drafted: int) -> PromptLookupDrafter:
     """The default's lookup without its model: the longest context match, the store, and the store's preference."""
-    return PromptLookupDrafter(max_ngram=DRAFTER_LOOKUP_MAX_NGRAM, max_draft_len=drafted, ngram_store=ngram_store(),
-                               prefer_store=DRAFTER_PREFER_STORE)
+    return PromptLookupDrafter(
+        max_ngram=DRAFTER_LOOKUP_MAX_NGRAM,
+        max_draft_len=drafted,
+        ngram_store=ngram_store(),
+        prefer_store=DRAFTER_PREFER_STORE,
+    )
 
 
 @lru_cache(maxsize=None)

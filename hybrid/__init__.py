@@ -1,7 +1,7 @@
 """hybrid: lossless speculative decoding for Hugging Face causal LMs.
 
-    import hybrid
-    out = hybrid.generate(model, input_ids, drafter=drafter, max_new_tokens=256, do_sample=False)
+import hybrid
+out = hybrid.generate(model, input_ids, drafter=drafter, max_new_tokens=256, do_sample=False)
 """
 
 from hybrid.generate import generate

@@ -26,26 +26,40 @@ def main(argv: list[str] | None = None) -> int:
     gen = sub.add_parser("generate", help="answer a prompt with the default verifier and drafter")
     gen.add_argument("prompt", help="the user message (the chat template is applied)")
     gen.add_argument("--max-new-tokens", type=int, default=256)
-    gen.add_argument("--drafter", choices=sorted(DRAFTERS), default="default",
-                     help="default: the shipped block-diffusion drafter with n-gram lookup and the n-gram store; "
-                          "block: the model without either; none: plain decoding through the engine")  # fmt: skip
+    gen.add_argument(
+        "--drafter",
+        choices=sorted(DRAFTERS),
+        default="default",
+        help="default: the shipped block-diffusion drafter with n-gram lookup and the n-gram store; "
+        "block: the model without either; none: plain decoding through the engine",
+    )
     gen.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
     gen.add_argument("--temperature", type=float, default=None)
     gen.add_argument("--top-p", type=float, default=None)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--no-baseline", action="store_true", help="skip the plain model.generate comparison")
     gen.add_argument("--device", default="cpu", help="where the verifier and drafter run (cpu, cuda, cuda:1)")
-    gen.add_argument("--device-map", default=None,
-                     help="spread the verifier with accelerate (e.g. auto: its layers over every GPU; the drafter "
-                          "goes where its last layer is); replaces --device")  # fmt: skip
-    gen.add_argument("--static", action="store_true",
-                     help="static shapes (cache_implementation='static') for both runs: compiled, with CUDA graphs, "
-                          "on a GPU, as model.generate compiles a static cache; each run is warmed up untimed first")  # fmt: skip
+    gen.add_argument(
+        "--device-map",
+        default=None,
+        help="spread the verifier with accelerate (e.g. auto: its layers over every GPU; the drafter "
+        "goes where its last layer is); replaces --device",
+    )
+    gen.add_argument(
+        "--static",
+        action="store_true",
+        help="static shapes (cache_implementation='static') for both runs: compiled, with CUDA graphs, "
+        "on a GPU, as model.generate compiles a static cache; each run is warmed up untimed first",
+    )
     args = parser.parse_args(argv)
 
     model, tokenizer, default_drafter = hybrid.load_default(args.device, device_map=args.device_map)
-    drafters = {"default": lambda: default_drafter, "prompt-lookup": PromptLookupDrafter, "none": lambda: None,
-                "block": lambda: default_drafter.sources[-1]}  # the default's block model, without its lookup
+    drafters = {
+        "default": lambda: default_drafter,
+        "prompt-lookup": PromptLookupDrafter,
+        "none": lambda: None,
+        "block": lambda: default_drafter.sources[-1],
+    }  # the default's block model, without its lookup
     drafter = drafters[args.drafter]()
     input_ids = encode_prompt(tokenizer, args.prompt).to(model.device)
     settings = {"max_new_tokens": args.max_new_tokens, "do_sample": args.do_sample}
@@ -60,7 +74,10 @@ def main(argv: list[str] | None = None) -> int:
         hybrid.generate(model, input_ids, drafter=drafter, **settings)
         if not args.no_baseline:
             model.generate(input_ids, **settings)
-        print(f"warm-up (compiling where the device compiles): {time.perf_counter() - start:.1f} s, untimed", file=sys.stderr)
+        print(
+            f"warm-up (compiling where the device compiles): {time.perf_counter() - start:.1f} s, untimed",
+            file=sys.stderr,
+        )
     torch.manual_seed(args.seed)
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     out, stats = hybrid.generate(

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from schedulers.adaptive import default_scheduler
 from verifiers.embedded import load_verifier
 
 # The shipped block-diffusion drafter for this verifier: rebuilt by `python -m drafters.training.train`.
@@ -36,24 +37,38 @@ def shipped_block_size() -> int:
 
 
 def load_default(device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, device_map=None):
-    """(verifier, tokenizer, drafter): SmolLM2-135M-Instruct and the shipped block-diffusion drafter (on the
-    device of the verifier's last layer, when `device_map` spreads the verifier).
+    """(verifier, tokenizer, drafter): SmolLM2-135M-Instruct and the shipped drafter (context lookup and the
+    n-gram store, then the block-diffusion model, on the device of the verifier's last layer when `device_map`
+    spreads the verifier).
 
-    float32 is the default because on CPUs it is faster than bfloat16 for this model.
+    float32 is the default because on CPUs it is faster than bfloat16 for this model. The default scheduler's
+    one-time verify-cost probe (~3 s on a CPU, then cached on disk) runs here, not inside the first generate call.
     """
     model, tokenizer = load_verifier(device, dtype, device_map)
-    return model, tokenizer, default_drafter(model, tokenizer)
+    drafter = default_drafter(model, tokenizer)
+    default_scheduler(drafter, model).reset(drafter, model)
+    return model, tokenizer, drafter
 
 
-def default_drafter(model, tokenizer=None, ngram_store=DRAFTER_NGRAM_DIR, lookup_tokens: int = DRAFTER_LOOKUP_TOKENS,
-                    block_size: int | None = None):
+def default_drafter(
+    model,
+    tokenizer=None,
+    ngram_store=DRAFTER_NGRAM_DIR,
+    lookup_tokens: int = DRAFTER_LOOKUP_TOKENS,
+    block_size: int | None = None,
+):
     """The shipped drafter for the default verifier `model`: the lookup settings above (a context match continued by
     the n-gram store, up to `lookup_tokens`), and where the lookup falls short of the block, the shipped block model
     (`block_size`: its trained size if None) fills the block in. The experiments pass a loaded `ngram_store`."""
     from drafters import BlockDiffusionDrafter, ChainDrafter, PromptLookupDrafter
 
-    lookup = PromptLookupDrafter(max_ngram=DRAFTER_LOOKUP_MAX_NGRAM, min_ngram=DRAFTER_LOOKUP_NGRAM,
-                                 max_draft_len=lookup_tokens, ngram_store=ngram_store, prefer_store=DRAFTER_PREFER_STORE,
-                                 verifier=model)  # fmt: skip
+    lookup = PromptLookupDrafter(
+        max_ngram=DRAFTER_LOOKUP_MAX_NGRAM,
+        min_ngram=DRAFTER_LOOKUP_NGRAM,
+        max_draft_len=lookup_tokens,
+        ngram_store=ngram_store,
+        prefer_store=DRAFTER_PREFER_STORE,
+        verifier=model,
+    )
     block = BlockDiffusionDrafter.from_pretrained(DRAFTER_DIR, model, tokenizer=tokenizer, block_size=block_size)
     return ChainDrafter([lookup, block])

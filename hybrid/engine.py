@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 
-from drafters.base import Draft, DraftContext, DraftError, Drafter, check_draft
+from drafters.base import Draft, DraftContext, Drafter, DraftError, check_draft
 from hybrid.acceptance import ACCEPTANCE_RULES, sample, speculative_step
 from hybrid.stats import GenerationStats
 from schedulers.base import Scheduler
@@ -96,7 +96,9 @@ def decode(
         raise ValueError(f"acceptance={acceptance!r}: choose one of {ACCEPTANCE_RULES}")
     start = time.perf_counter()
     max_length = math.ceil(max_length)  # `generate` stops at the first length >= max_length, a float included
-    rows = [_Row(ids, kept, procs, stopping_criteria, streamer, keep_scores, keep_logits) for ids, kept, procs in prompts]
+    rows = [
+        _Row(ids, kept, procs, stopping_criteria, streamer, keep_scores, keep_logits) for ids, kept, procs in prompts
+    ]
     if streamer is not None:
         streamer.put(rows[0].ids.cpu())  # as `generate` does; TextStreamer(skip_prompt=True) drops it
     vocab_size = verifier.vocab_size
@@ -124,10 +126,13 @@ def decode(
     sample_drafts = do_sample and acceptance == "rejection"
     protect_rng = do_sample and acceptance == "match"
     device = verifier.model.device
-    rng_devices = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    rng_devices = (
+        [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    )
     for b, row in enumerate(rows):
-        row.ctx = DraftContext(row.unmasked_ids(), sample_drafts, row.processors,
-                               generator if sample_drafts else None, verifier, row=b)  # fmt: skip
+        row.ctx = DraftContext(
+            row.unmasked_ids(), sample_drafts, row.processors, generator if sample_drafts else None, verifier, row=b
+        )
         if drafter is not None:
             # Each row drafts with its own copy (weights shared, per-sequence state separate).
             row.drafter = drafter if len(rows) == 1 else drafter.fork()
@@ -140,7 +145,9 @@ def decode(
         max_k = min(scheduler.max_draft_length(), draft_len) if drafter is not None else 0
         steps = scheduler.denoising_steps() if drafter is not None else 1
         if drafter is not None and not 1 <= steps <= drafter.max_steps:
-            raise ValueError(f"{type(scheduler).__name__}.denoising_steps returned {steps}; expected 1..{drafter.max_steps}")
+            raise ValueError(
+                f"{type(scheduler).__name__}.denoising_steps returned {steps}; expected 1..{drafter.max_steps}"
+            )
         schedule_time = time.perf_counter() - t0
         asks = {}  # row -> how many tokens it may draft
         for row in active:
@@ -152,11 +159,15 @@ def decode(
         if asks:  # all rows at once: a drafter may serve them in one forward; each row is charged its share
             t1 = time.perf_counter()
             with torch.random.fork_rng(rng_devices) if protect_rng else contextlib.nullcontext():
-                drafts = drafter.propose_rows([row.drafter for row in asks], [row.ctx for row in asks], list(asks.values()))
+                drafts = drafter.propose_rows(
+                    [row.drafter for row in asks], [row.ctx for row in asks], list(asks.values())
+                )
             if not isinstance(drafts, list) or len(drafts) != len(asks):
-                raise DraftError(f"{type(drafter).__name__}.propose_rows returned {type(drafts).__name__} of "
-                                 f"{len(drafts) if isinstance(drafts, list) else '?'} drafts for {len(asks)} rows: "
-                                 "return a list with one Draft per row")  # fmt: skip
+                raise DraftError(
+                    f"{type(drafter).__name__}.propose_rows returned {type(drafts).__name__} of "
+                    f"{len(drafts) if isinstance(drafts, list) else '?'} drafts for {len(asks)} rows: "
+                    "return a list with one Draft per row"
+                )
             for (row, k), draft in zip(asks.items(), drafts):
                 row.draft = check_draft(draft, k, vocab_size, type(drafter).__name__)
             share = (time.perf_counter() - t1) / len(asks)
@@ -175,8 +186,18 @@ def decode(
         # their pending token, whose scores are never read (and whose slots the rollback drops).
         t3 = time.perf_counter()
         width = 1 + max(len(row.draft) for row in active)
-        fed = torch.stack([torch.cat([row.ids[0, -1:], row.draft.tokens.to(row.ids.device),
-                                      row.ids[0, -1:].expand(width - 1 - len(row.draft))]) for row in active])  # fmt: skip
+        fed = torch.stack(
+            [
+                torch.cat(
+                    [
+                        row.ids[0, -1:],
+                        row.draft.tokens.to(row.ids.device),
+                        row.ids[0, -1:].expand(width - 1 - len(row.draft)),
+                    ]
+                )
+                for row in active
+            ]
+        )
         # [rows, width, vocab]: the verifier's view after each fed token
         logits = verifier.verify_rows(fed, real=[1 + len(row.draft) for row in active])
         drop = []
@@ -187,8 +208,12 @@ def decode(
         verify_time = time.perf_counter() - t3
         t4 = time.perf_counter()
         if drafter is not None:
-            scheduler.update_batch([row.draft for row in active], [row.accepted for row in active],
-                                   [row.draft_time for row in active], verify_time)  # fmt: skip
+            scheduler.update_batch(
+                [row.draft for row in active],
+                [row.accepted for row in active],
+                [row.draft_time for row in active],
+                verify_time,
+            )
         schedule_time += time.perf_counter() - t4
         for row in active:  # a row's share of the batched forward is its verify cost
             row.stats.verify_time += verify_time / len(active)

@@ -18,14 +18,21 @@ from transformers.generation.configuration_utils import GenerationMode
 from drafters.base import Drafter
 from hybrid.acceptance import ACCEPTANCE_RULES
 from hybrid.engine import decode
-from verifiers.cache import foreign_cache_reason, learned_position_limit
 from hybrid.stats import GenerationStats
 from schedulers.adaptive import default_scheduler
 from schedulers.base import Scheduler
+from verifiers.cache import foreign_cache_reason, learned_position_limit
 from verifiers.verifier import Verifier, check_causal_lm
 
 # `generate` arguments outside GenerationConfig that this engine honours.
-_CALL_ARGS = ("attention_mask", "logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn", "streamer", "tokenizer")
+_CALL_ARGS = (
+    "attention_mask",
+    "logits_processor",
+    "stopping_criteria",
+    "prefix_allowed_tokens_fn",
+    "streamer",
+    "tokenizer",
+)
 
 # GenerationConfig fields that select a decoding method or output this engine does not implement,
 # with the value that means "off" and what to do instead.
@@ -51,10 +58,16 @@ _UNSUPPORTED_CONFIG = {
 }
 # Assisted-generation knobs: hybrid's drafter and scheduler replace them.
 _ASSISTANT_ARGS = (
-    "num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold",
-    "assistant_lookbehind", "target_lookbehind", "assistant_early_exit", "max_matching_ngram_size",
-    "is_assistant", "speculation_type",
-)  # fmt: skip
+    "num_assistant_tokens",
+    "num_assistant_tokens_schedule",
+    "assistant_confidence_threshold",
+    "assistant_lookbehind",
+    "target_lookbehind",
+    "assistant_early_exit",
+    "max_matching_ngram_size",
+    "is_assistant",
+    "speculation_type",
+)
 
 
 def generate(
@@ -97,11 +110,16 @@ def generate(
     if acceptance not in ACCEPTANCE_RULES:
         raise ValueError(f"acceptance={acceptance!r}: choose one of {ACCEPTANCE_RULES}")
     if model.training:
-        warnings.warn(f"{type(model).__name__} is in training mode: dropout makes every call's output differ (from "
-                      "model.generate's too); call model.eval() first")  # fmt: skip
+        warnings.warn(
+            f"{type(model).__name__} is in training mode: dropout makes every call's output differ (from "
+            "model.generate's too); call model.eval() first",
+            stacklevel=2,
+        )
     if kwargs.get("use_cache") is False or (generation_config is not None and generation_config.use_cache is False):
-        raise ValueError("hybrid.generate does not support use_cache=False: speculative decoding verifies drafts "
-                         "against the KV cache (the output is the same with it); drop use_cache")  # fmt: skip
+        raise ValueError(
+            "hybrid.generate does not support use_cache=False: speculative decoding verifies drafts "
+            "against the KV cache (the output is the same with it); drop use_cache"
+        )
     if "inputs" in kwargs:
         if input_ids is not None:
             raise TypeError("pass the prompt once: either input_ids or inputs")
@@ -130,8 +148,9 @@ def generate(
 
     input_ids, attention_mask = _check_prompt(model, input_ids, call["attention_mask"])
     prompt_len = input_ids.shape[1]
-    model._prepare_special_tokens(config, call["attention_mask"] is not None, device=input_ids.device,
-                                  batch_size=input_ids.shape[0])
+    model._prepare_special_tokens(
+        config, call["attention_mask"] is not None, device=input_ids.device, batch_size=input_ids.shape[0]
+    )
     if attention_mask is None:
         attention_mask = model._prepare_attention_mask_for_generation(input_ids, config, {})
         if not bool((attention_mask[:, -1] == 1).all()):
@@ -155,15 +174,23 @@ def generate(
     if batch > 1 and call["streamer"] is not None:
         raise ValueError(f"streamer with batch size {batch}: streamers take one sequence; pass one prompt per call")
     if batch > 1 and config.return_dict_in_generate:
-        raise ValueError(f"return_dict_in_generate with batch size {batch} is not supported yet: "
-                         "pass one prompt per call for scores, logits and the cache")  # fmt: skip
+        raise ValueError(
+            f"return_dict_in_generate with batch size {batch} is not supported yet: "
+            "pass one prompt per call for scores, logits and the cache"
+        )
 
     if drafter is not None and not isinstance(drafter, Drafter):  # before drafter.hidden_layers is read
-        raise TypeError(f"drafter must be a drafters.Drafter (or None for plain decoding), got {type(drafter).__name__}")
+        raise TypeError(
+            f"drafter must be a drafters.Drafter (or None for plain decoding), got {type(drafter).__name__}"
+        )
     static = config.cache_implementation == "static"
-    verifier = Verifier(model, hidden_layers=drafter.hidden_layers if drafter is not None else (), static=static,
-                        max_width=1 + (drafter.max_draft_len if drafter is not None else 0),
-                        compile_config=_compile_config(model, config) if static else None)  # fmt: skip
+    verifier = Verifier(
+        model,
+        hidden_layers=drafter.hidden_layers if drafter is not None else (),
+        static=static,
+        max_width=1 + (drafter.max_draft_len if drafter is not None else 0),
+        compile_config=_compile_config(model, config) if static else None,
+    )
     _check_drafter(drafter, verifier, call["tokenizer"])
     if scheduler is None:
         scheduler = default_scheduler(drafter, model) if drafter is not None else Scheduler()
@@ -196,10 +223,16 @@ def generate(
         stopping_criteria=call["stopping_criteria"] or StoppingCriteriaList(),
         tokenizer=call["tokenizer"],
     )
-    settings = dict(stopping_criteria=stopping, max_length=config.max_length, do_sample=bool(config.do_sample),
-                    generator=generator, acceptance=acceptance, streamer=call["streamer"],
-                    keep_scores=bool(config.return_dict_in_generate and config.output_scores),
-                    keep_logits=bool(config.return_dict_in_generate and config.output_logits))  # fmt: skip
+    settings = dict(
+        stopping_criteria=stopping,
+        max_length=config.max_length,
+        do_sample=bool(config.do_sample),
+        generator=generator,
+        acceptance=acceptance,
+        streamer=call["streamer"],
+        keep_scores=bool(config.return_dict_in_generate and config.output_scores),
+        keep_logits=bool(config.return_dict_in_generate and config.output_logits),
+    )
     with torch.inference_mode():
         if verifier.batches or batch == 1:
             result = decode(verifier, drafter, scheduler, prompts, **settings)
@@ -220,10 +253,14 @@ def _reject_unsupported_kwargs(model, kwargs: dict) -> None:
         if isinstance(kwargs.get(name), Cache):
             reason = foreign_cache_reason(model, kwargs[name])
             if reason:
-                raise ValueError(f"{name} was built for another model ({reason}); hybrid.generate builds and owns "
-                                 f"the verifier's cache: drop {name} and pass the whole sequence as input_ids")  # fmt: skip
-            raise ValueError(f"hybrid.generate does not continue from a {name}: it builds and owns the verifier's "
-                             f"cache (prefill included); drop {name} and pass the whole sequence as input_ids")  # fmt: skip
+                raise ValueError(
+                    f"{name} was built for another model ({reason}); hybrid.generate builds and owns "
+                    f"the verifier's cache: drop {name} and pass the whole sequence as input_ids"
+                )
+            raise ValueError(
+                f"hybrid.generate does not continue from a {name}: it builds and owns the verifier's "
+                f"cache (prefill included); drop {name} and pass the whole sequence as input_ids"
+            )
     assistant = sorted(k for k in kwargs if k in _ASSISTANT_ARGS or k.startswith("assistant"))
     if assistant:
         raise TypeError(
@@ -231,12 +268,25 @@ def _reject_unsupported_kwargs(model, kwargs: dict) -> None:
             "pass drafter= (what proposes tokens) and scheduler= (how many to verify) instead"
         )
     other = sorted(
-        k for k in kwargs
-        if k in ("synced_gpus", "negative_prompt_ids", "negative_prompt_attention_mask", "custom_generate",
-                 "inputs_embeds", "cache", "past_key_values", "position_ids", "trust_remote_code")
-    )  # fmt: skip
+        k
+        for k in kwargs
+        if k
+        in (
+            "synced_gpus",
+            "negative_prompt_ids",
+            "negative_prompt_attention_mask",
+            "custom_generate",
+            "inputs_embeds",
+            "cache",
+            "past_key_values",
+            "position_ids",
+            "trust_remote_code",
+        )
+    )
     if other:
-        raise TypeError(f"hybrid.generate does not support argument(s) {other}: it owns the cache and the inputs are token ids")
+        raise TypeError(
+            f"hybrid.generate does not support argument(s) {other}: it owns the cache and the inputs are token ids"
+        )
 
 
 def _check_config(config: GenerationConfig) -> None:
@@ -245,12 +295,16 @@ def _check_config(config: GenerationConfig) -> None:
         if value is not None and value != off and not (name == "guidance_scale" and value == 1):
             raise ValueError(f"hybrid.generate does not support {name}={value!r}: {fix}")
     if config.cache_implementation not in (None, "static"):
-        raise ValueError(f"hybrid.generate does not support cache_implementation={config.cache_implementation!r}: "
-                         "hybrid manages its own cache; pass cache_implementation='static' for its static-shape "
-                         "path (compiled, CUDA graphs) or leave it unset")  # fmt: skip
+        raise ValueError(
+            f"hybrid.generate does not support cache_implementation={config.cache_implementation!r}: "
+            "hybrid manages its own cache; pass cache_implementation='static' for its static-shape "
+            "path (compiled, CUDA graphs) or leave it unset"
+        )
     if config.compile_config is not None and config.cache_implementation != "static":
-        raise ValueError("compile_config applies to the static-shape path only, as in model.generate: pass "
-                         "cache_implementation='static' with it (or drop compile_config)")  # fmt: skip
+        raise ValueError(
+            "compile_config applies to the static-shape path only, as in model.generate: pass "
+            "cache_implementation='static' with it (or drop compile_config)"
+        )
     mode = config.get_generation_mode()
     if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
         raise ValueError(f"hybrid.generate supports greedy decoding and sampling, not {mode.value}")
@@ -273,12 +327,17 @@ def _compile_config(model, config: GenerationConfig) -> CompileConfig | None:
     on_accelerator = model.device.type in ("cuda", "xpu")
     if not (on_accelerator or (compile_config is not None and compile_config._compile_all_devices)):
         if compile_config is not None:
-            warnings.warn(f"compile_config is not used on {model.device.type}: as model.generate, hybrid compiles on "
-                          "a GPU only (set compile_config._compile_all_devices = True to compile here)")  # fmt: skip
+            warnings.warn(
+                f"compile_config is not used on {model.device.type}: as model.generate, hybrid compiles on "
+                "a GPU only (set compile_config._compile_all_devices = True to compile here)",
+                stacklevel=3,
+            )
         return None
     devices = set(getattr(model, "hf_device_map", {}).values())
     if "disk" in devices or ("cpu" in devices and len(devices) > 1):
-        warnings.warn("the model is offloaded (device_map with cpu/disk): the static path runs without compiling")
+        warnings.warn(
+            "the model is offloaded (device_map with cpu/disk): the static path runs without compiling", stacklevel=3
+        )
         return None
     return compile_config or CompileConfig()  # transformers' default: CUDA graphs ("reduce-overhead")
 
@@ -289,8 +348,10 @@ def _pad_rows(sequences: list[torch.Tensor], pad: torch.Tensor | None) -> torch.
     if len(sequences) == 1:
         return sequences[0]
     if pad is None and any(row.shape[1] < width for row in sequences):
-        raise ValueError("rows finished at different lengths and there is no pad_token_id to fill the shorter ones: "
-                         "set pad_token_id (e.g. to the tokenizer's eos_token_id)")  # fmt: skip
+        raise ValueError(
+            "rows finished at different lengths and there is no pad_token_id to fill the shorter ones: "
+            "set pad_token_id (e.g. to the tokenizer's eos_token_id)"
+        )
     fill = 0 if pad is None else int(pad)
     return torch.cat([torch.cat([row, row.new_full((1, width - row.shape[1]), fill)], dim=1) for row in sequences])
 
@@ -306,8 +367,16 @@ def _check_mask(mask: torch.Tensor) -> None:
 def _check_prompt(model, input_ids, attention_mask):
     if input_ids is None:
         raise ValueError("input_ids is required: hybrid needs a prompt (for unconditional text pass [[bos_token_id]])")
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype not in (torch.long, torch.int):
-        got = f"{tuple(input_ids.shape)} {input_ids.dtype}" if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+    if (
+        not isinstance(input_ids, torch.Tensor)
+        or input_ids.dim() != 2
+        or input_ids.dtype not in (torch.long, torch.int)
+    ):
+        got = (
+            f"{tuple(input_ids.shape)} {input_ids.dtype}"
+            if isinstance(input_ids, torch.Tensor)
+            else type(input_ids).__name__
+        )
         raise ValueError(f"input_ids must be a LongTensor [batch, length], got {got}")
     if input_ids.shape[0] == 0:
         raise ValueError("input_ids has no rows: pass at least one prompt")
@@ -319,7 +388,11 @@ def _check_prompt(model, input_ids, attention_mask):
     input_ids = input_ids.long().to(model.device)
     if attention_mask is not None:
         if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
-            shape = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
+            shape = (
+                tuple(attention_mask.shape)
+                if isinstance(attention_mask, torch.Tensor)
+                else type(attention_mask).__name__
+            )
             raise ValueError(f"attention_mask {shape} must have the shape of input_ids {tuple(input_ids.shape)}")
         if not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
             raise ValueError("attention_mask must contain only 0 (padding) and 1 (token)")
@@ -349,8 +422,14 @@ def _check_drafter(drafter, verifier: Verifier, tokenizer) -> None:
             f"drafter vocabulary {drafter.vocab_size} != verifier vocabulary {verifier.vocab_size}: "
             f"a drafter must share the verifier's tokenizer ({name})"
         )
-    if tokenizer is not None and drafter.tokenizer is not None and drafter.tokenizer.get_vocab() != tokenizer.get_vocab():
-        raise ValueError(f"{name}'s tokenizer differs from the tokenizer passed to generate: a drafter must share the verifier's tokenizer")
+    if (
+        tokenizer is not None
+        and drafter.tokenizer is not None
+        and drafter.tokenizer.get_vocab() != tokenizer.get_vocab()
+    ):
+        raise ValueError(
+            f"{name}'s tokenizer differs from the tokenizer passed to generate: a drafter must share the verifier's tokenizer"
+        )
     if not isinstance(drafter.max_draft_len, int) or drafter.max_draft_len < 1:
         raise ValueError(f"{name}.max_draft_len must be a positive int, got {drafter.max_draft_len!r}")
     if not isinstance(drafter.max_steps, int) or drafter.max_steps < 1:

@@ -38,6 +38,7 @@ def near_tie_eps(dtype: torch.dtype, top_score: float) -> float:
         return NEAR_TIE_EPS
     return max(NEAR_TIE_EPS, 2 * torch.finfo(dtype).eps * max(1.0, abs(top_score)))
 
+
 GREEDY_CHECKS = {"checked": 0, "near_ties": 0}  # how often the near-tie exception was needed, this process
 SAMPLE_EPS = 1e-4  # largest difference between the two runs' probabilities where a boundary draw may differ
 SAMPLING_CHECKS = {"checked": 0, "boundary_draws": 0}
@@ -48,22 +49,36 @@ SAMPLING_CHECKS = {"checked": 0, "boundary_draws": 0}
 # a model whose config says use_cache=False).
 def _llama_like(config_cls, model_cls, **extra):
     def build(vocab_size, num_layers, window):
-        return config_cls(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers,
-                          num_attention_heads=4, num_key_value_heads=2, **extra), model_cls  # fmt: skip
+        return config_cls(
+            vocab_size=vocab_size,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=num_layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            **extra,
+        ), model_cls
 
     return build
 
 
 def _gpt_neo(vocab_size, num_layers, window):
     kinds = [["global", "local"], 1] if num_layers == 2 else [["local"], num_layers]
-    return transformers.GPTNeoConfig(vocab_size=vocab_size, hidden_size=32, num_layers=num_layers, num_heads=4,
-                                     intermediate_size=64, attention_types=[kinds], window_size=window or 7,
-                                     ), transformers.GPTNeoForCausalLM  # fmt: skip
+    return transformers.GPTNeoConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        num_layers=num_layers,
+        num_heads=4,
+        intermediate_size=64,
+        attention_types=[kinds],
+        window_size=window or 7,
+    ), transformers.GPTNeoForCausalLM
 
 
 def _mistral(vocab_size, num_layers, window):
     return _llama_like(transformers.MistralConfig, transformers.MistralForCausalLM, sliding_window=window)(
-        vocab_size, num_layers, window)  # fmt: skip
+        vocab_size, num_layers, window
+    )
 
 
 ARCHITECTURES = {
@@ -71,28 +86,57 @@ ARCHITECTURES = {
     "qwen2": _llama_like(transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
     "qwen3": _llama_like(transformers.Qwen3Config, transformers.Qwen3ForCausalLM, head_dim=8),
     "mistral": _mistral,  # with a sliding window: rollback must undo it
-    "gpt2": lambda vocab_size, num_layers, window: (transformers.GPT2Config(
-        vocab_size=vocab_size, n_embd=32, n_layer=num_layers, n_head=4, bos_token_id=None, eos_token_id=None),
-        transformers.GPT2LMHeadModel),  # learned positions
-    "opt": lambda vocab_size, num_layers, window: (transformers.OPTConfig(
-        vocab_size=vocab_size, hidden_size=32, num_hidden_layers=num_layers, num_attention_heads=4, ffn_dim=64,
-        word_embed_proj_dim=32), transformers.OPTForCausalLM),  # learned positions with an offset
+    "gpt2": lambda vocab_size, num_layers, window: (
+        transformers.GPT2Config(
+            vocab_size=vocab_size, n_embd=32, n_layer=num_layers, n_head=4, bos_token_id=None, eos_token_id=None
+        ),
+        transformers.GPT2LMHeadModel,
+    ),  # learned positions
+    "opt": lambda vocab_size, num_layers, window: (
+        transformers.OPTConfig(
+            vocab_size=vocab_size,
+            hidden_size=32,
+            num_hidden_layers=num_layers,
+            num_attention_heads=4,
+            ffn_dim=64,
+            word_embed_proj_dim=32,
+        ),
+        transformers.OPTForCausalLM,
+    ),  # learned positions with an offset
     "gpt_neo": _gpt_neo,  # local attention applied inside the model
-    "bloom": lambda vocab_size, num_layers, window: (transformers.BloomConfig(
-        vocab_size=vocab_size, hidden_size=32, n_layer=num_layers, n_head=4), transformers.BloomForCausalLM),  # ALiBi
-    "falcon": lambda vocab_size, num_layers, window: (transformers.FalconConfig(
-        vocab_size=vocab_size, hidden_size=32, num_hidden_layers=num_layers, num_attention_heads=4, alibi=True,
-        new_decoder_architecture=False, multi_query=True), transformers.FalconForCausalLM),  # ALiBi
-    "mpt": lambda vocab_size, num_layers, window: (transformers.MptConfig(
-        vocab_size=vocab_size, d_model=32, n_layers=num_layers, n_heads=4, expansion_ratio=2),
-        transformers.MptForCausalLM),  # ALiBi; its config says use_cache=False
-}  # fmt: skip
+    "bloom": lambda vocab_size, num_layers, window: (
+        transformers.BloomConfig(vocab_size=vocab_size, hidden_size=32, n_layer=num_layers, n_head=4),
+        transformers.BloomForCausalLM,
+    ),  # ALiBi
+    "falcon": lambda vocab_size, num_layers, window: (
+        transformers.FalconConfig(
+            vocab_size=vocab_size,
+            hidden_size=32,
+            num_hidden_layers=num_layers,
+            num_attention_heads=4,
+            alibi=True,
+            new_decoder_architecture=False,
+            multi_query=True,
+        ),
+        transformers.FalconForCausalLM,
+    ),  # ALiBi
+    "mpt": lambda vocab_size, num_layers, window: (
+        transformers.MptConfig(vocab_size=vocab_size, d_model=32, n_layers=num_layers, n_heads=4, expansion_ratio=2),
+        transformers.MptForCausalLM,
+    ),  # ALiBi; its config says use_cache=False
+}
 # Llama-like architectures: what the block-diffusion drafter (RoPE, RMSNorm, SwiGLU geometry) can be built for.
 LLAMA_LIKE = ("llama", "qwen2", "qwen3", "mistral")
 
 
-def tiny_model(arch: str, vocab_size: int, num_layers: int, seed: int, sliding_window: int | None = None,
-               max_position_embeddings: int = 128):
+def tiny_model(
+    arch: str,
+    vocab_size: int,
+    num_layers: int,
+    seed: int,
+    sliding_window: int | None = None,
+    max_position_embeddings: int = 128,
+):
     """A random causal LM small enough for hundreds of examples a minute (`sliding_window`: Mistral's window, or
     GPT-Neo's local window).
 
@@ -116,15 +160,17 @@ class GreedyReport:
     near_tie_at: int | None  # index of the new token where a near tie let the runs diverge, else None
 
 
-def check_greedy_lossless(model, input_ids: torch.Tensor, drafter, scheduler=None, hybrid_kwargs: dict | None = None,
-                          **kwargs) -> GreedyReport:
+def check_greedy_lossless(
+    model, input_ids: torch.Tensor, drafter, scheduler=None, hybrid_kwargs: dict | None = None, **kwargs
+) -> GreedyReport:
     """Assert `hybrid.generate` == `model.generate` under greedy decoding (up to the near-tie contract).
 
     `kwargs` go to both calls; `hybrid_kwargs` to hybrid's only (e.g. `cache_implementation="static"`)."""
     kwargs = {**kwargs, "do_sample": False}
     ref = model.generate(input_ids, return_dict_in_generate=True, output_scores=True, **kwargs)
-    out, stats = hybrid.generate(model, input_ids, drafter=drafter, scheduler=scheduler, return_stats=True,
-                                 **kwargs, **(hybrid_kwargs or {}))  # fmt: skip
+    out, stats = hybrid.generate(
+        model, input_ids, drafter=drafter, scheduler=scheduler, return_stats=True, **kwargs, **(hybrid_kwargs or {})
+    )
     prompt_len = input_ids.shape[1]
     expected, got = ref.sequences[0, prompt_len:], out[0, prompt_len:]
     check_stats_consistent(stats, got.shape[0])
@@ -151,8 +197,9 @@ def check_greedy_lossless(model, input_ids: torch.Tensor, drafter, scheduler=Non
     return GreedyReport(ref.sequences, out, stats, j)
 
 
-def check_sampled_identical(model, input_ids: torch.Tensor, drafter, seed: int, scheduler=None,
-                            hybrid_kwargs: dict | None = None, **kwargs) -> int | None:
+def check_sampled_identical(
+    model, input_ids: torch.Tensor, drafter, seed: int, scheduler=None, hybrid_kwargs: dict | None = None, **kwargs
+) -> int | None:
     """Assert `hybrid.generate` == `model.generate` under sampling after the same `torch.manual_seed(seed)`, up to
     the boundary-draw contract. Returns the index of the new token where a boundary draw diverged, else None."""
     kwargs = {**kwargs, "do_sample": True, "return_dict_in_generate": True, "output_scores": True}

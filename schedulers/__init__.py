@@ -6,6 +6,11 @@ from schedulers.calibration import AcceptanceModel
 from schedulers.cost_model import VerifyCostModel
 
 __all__ = [
-    "AcceptanceModel", "ConfidenceScheduler", "CostAwareScheduler", "FixedScheduler", "HeuristicScheduler",
-    "Scheduler", "VerifyCostModel",
-]  # fmt: skip
+    "AcceptanceModel",
+    "ConfidenceScheduler",
+    "CostAwareScheduler",
+    "FixedScheduler",
+    "HeuristicScheduler",
+    "Scheduler",
+    "VerifyCostModel",
+]

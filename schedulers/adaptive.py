@@ -8,6 +8,7 @@ is prod_{i<=j} a_i, so the expected number accepted when verifying k is E(k) = s
 from __future__ import annotations
 
 import itertools
+import weakref
 
 from drafters.base import Draft
 from schedulers.base import Scheduler
@@ -20,7 +21,9 @@ def pair_fingerprint(drafter, model) -> dict:
     config = model.config.get_text_config() if model is not None else None
     return {
         "drafter": f"{type(drafter).__name__}:{drafter.max_draft_len}:{getattr(drafter, 'fingerprint', '')}",
-        "verifier": None if config is None else f"{type(model).__name__}:{config.hidden_size}x{config.num_hidden_layers}:{config.vocab_size}",
+        "verifier": None
+        if config is None
+        else f"{type(model).__name__}:{config.hidden_size}x{config.num_hidden_layers}:{config.vocab_size}",
     }
 
 
@@ -77,14 +80,15 @@ class ConfidenceScheduler(_Calibrated):
         return max(k, 1) if len(draft) else 0  # always verify one: keeps the calibration learning
 
 
-_DEFAULTS: dict[tuple, Scheduler] = {}
+# verifier -> {drafter kind: scheduler}; weak, so a scheduler lives as long as its verifier and no longer
+_DEFAULTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def default_scheduler(drafter, model) -> Scheduler:
     """The scheduler `hybrid.generate` uses when given none: a `CostAwareScheduler` kept per
     (verifier, drafter kind) for the life of the process, so its calibration keeps learning across calls."""
-    key = (id(model), str(pair_fingerprint(drafter, model)))
-    return _DEFAULTS.setdefault(key, CostAwareScheduler())
+    per_model = _DEFAULTS.setdefault(model, {})
+    return per_model.setdefault(str(pair_fingerprint(drafter, model)), CostAwareScheduler())
 
 
 class CostAwareScheduler(_Calibrated):
@@ -170,7 +174,9 @@ class CostAwareScheduler(_Calibrated):
                 best = max(range(1, len(rate)), key=rate.__getitem__)
         return [min(best, len(draft)) for draft in drafts]
 
-    def update_batch(self, drafts: list[Draft], accepted: list[int], draft_times: list[float], verify_time: float) -> None:
+    def update_batch(
+        self, drafts: list[Draft], accepted: list[int], draft_times: list[float], verify_time: float
+    ) -> None:
         if len(drafts) == 1:
             return self.update(drafts[0], accepted[0], draft_times[0], verify_time)
         for draft, kept, draft_time in zip(drafts, accepted, draft_times):
@@ -184,12 +190,16 @@ class CostAwareScheduler(_Calibrated):
         E(min(w, k_r)) + 1 over their draft costs plus one forward of rows x (w + 1) tokens."""
         expected = [expected_accepted(self.acceptance.predict(draft)) for draft in drafts]
         rows = len(drafts)
-        return [(sum(e[min(w, len(e) - 1)] + 1 for e in expected))
-                / (rows * self.draft_cost + self.verify_costs.cost(rows * self.verify_width(w + 1)))
-                for w in range(max(len(d) for d in drafts) + 1)]  # fmt: skip
+        return [
+            (sum(e[min(w, len(e) - 1)] + 1 for e in expected))
+            / (rows * self.draft_cost + self.verify_costs.cost(rows * self.verify_width(w + 1)))
+            for w in range(max(len(d) for d in drafts) + 1)
+        ]
 
     def expected_rates(self, draft: Draft) -> list[float]:
         """The objective for k = 0..len(draft): expected emitted tokens per second."""
         expected = expected_accepted(self.acceptance.predict(draft))
-        return [(expected[k] + 1) / (self.draft_cost + self.verify_costs.cost(self.verify_width(k + 1)))
-                for k in range(len(draft) + 1)]  # fmt: skip
+        return [
+            (expected[k] + 1) / (self.draft_cost + self.verify_costs.cost(self.verify_width(k + 1)))
+            for k in range(len(draft) + 1)
+        ]

@@ -49,7 +49,9 @@ class Scheduler:
         """How many of each row's drafted tokens to verify in this step's batched forward."""
         return [self.select(draft) if len(draft) else 0 for draft in drafts]
 
-    def update_batch(self, drafts: list[Draft], accepted: list[int], draft_times: list[float], verify_time: float) -> None:
+    def update_batch(
+        self, drafts: list[Draft], accepted: list[int], draft_times: list[float], verify_time: float
+    ) -> None:
         """Learn from a batched step: row r verified drafts[r] and kept accepted[r]; one forward took `verify_time`."""
         for draft, kept, draft_time in zip(drafts, accepted, draft_times):
             self.update(draft, kept, draft_time, verify_time / len(drafts))
@@ -73,8 +75,10 @@ class FixedScheduler(Scheduler):
         check_k(self.k, drafter.max_draft_len)
         super().reset(drafter, model)
         if self.steps is not None and self.steps > self.max_steps:
-            raise ValueError(f"steps={self.steps} but {type(drafter).__name__} runs at most {self.max_steps} "
-                             "denoising passes (its max_steps)")  # fmt: skip
+            raise ValueError(
+                f"steps={self.steps} but {type(drafter).__name__} runs at most {self.max_steps} "
+                "denoising passes (its max_steps)"
+            )
 
     def max_draft_length(self) -> int:
         return self.k

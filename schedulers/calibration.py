@@ -44,7 +44,9 @@ class AcceptanceModel:
         for position, b in enumerate(bins[: self.tried.shape[0]]):
             prior = 0.5 if b == NO_CONFIDENCE else (b + 0.5) / NUM_BINS
             c = min(position, 1)
-            pooled = (float(accepted_class[c][b]) + PRIOR_STRENGTH * prior) / (float(tried_class[c][b]) + PRIOR_STRENGTH)
+            pooled = (float(accepted_class[c][b]) + PRIOR_STRENGTH * prior) / (
+                float(tried_class[c][b]) + PRIOR_STRENGTH
+            )
             cell = (float(self.accepted[position, b]) + PRIOR_STRENGTH * pooled) / (
                 float(self.tried[position, b]) + PRIOR_STRENGTH
             )
@@ -76,5 +78,8 @@ class AcceptanceModel:
                 "calibrate this drafter/verifier pair (or drop calibration= to learn online)"
             )
         model = cls(len(tried), fingerprint)
-        model.tried, model.accepted = torch.tensor(tried, dtype=torch.float64), torch.tensor(accepted, dtype=torch.float64)
+        model.tried, model.accepted = (
+            torch.tensor(tried, dtype=torch.float64),
+            torch.tensor(accepted, dtype=torch.float64),
+        )
         return model

@@ -28,10 +28,15 @@ def device_key(model) -> str:
     """Identifies a (model, dtype, device, threads) combination for the on-disk cache."""
     config = model.config.get_text_config()
     parts = [
-        type(model).__name__, str(config.hidden_size), str(config.num_hidden_layers), str(config.vocab_size),
-        str(model.dtype), str(model.device), str(torch.get_num_threads()),
+        type(model).__name__,
+        str(config.hidden_size),
+        str(config.num_hidden_layers),
+        str(config.vocab_size),
+        str(model.dtype),
+        str(model.device),
+        str(torch.get_num_threads()),
         torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else "",
-    ]  # fmt: skip
+    ]
     return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
 
 

@@ -16,7 +16,9 @@ def check_scheduler_name(name: str) -> None:
         return
     if match := re.fullmatch(r"fixed-(-?\d+)", name):
         if int(match[1]) < 1:
-            raise ValueError(f"scheduler {name}: k={match[1]} must be >= 1 (how many drafted tokens each step verifies)")
+            raise ValueError(
+                f"scheduler {name}: k={match[1]} must be >= 1 (how many drafted tokens each step verifies)"
+            )
         return
     if match := re.fullmatch(r"confidence-(-?[\d.]+)", name):
         if not 0 <= float(match[1]) <= 1:

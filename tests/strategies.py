@@ -7,8 +7,15 @@ import copy
 import torch
 from hypothesis import strategies as st
 
-from drafters import (BlockDiffusionDrafter, ChainDrafter, Draft, DraftContext, Drafter, ModelDrafter,
-                      PromptLookupDrafter)
+from drafters import (
+    BlockDiffusionDrafter,
+    ChainDrafter,
+    Draft,
+    DraftContext,
+    Drafter,
+    ModelDrafter,
+    PromptLookupDrafter,
+)
 from drafters.block_diffusion import BlockDiffusionConfig, BlockDiffusionModel, verifier_fingerprint
 from drafters.ngram_store import NgramStore
 from hybrid.testing import ARCHITECTURES, LLAMA_LIKE, tiny_model
@@ -53,7 +60,9 @@ class AdversarialDrafter(Drafter):
 
     def __init__(self, vocab_size: int, eos_token_id: int | None, seed: int):
         self.vocab_size, self.eos = vocab_size, eos_token_id
-        self.rng = torch.Generator(torch.get_default_device()).manual_seed(seed)  # not reset per call: each call sees new garbage
+        self.rng = torch.Generator(torch.get_default_device()).manual_seed(
+            seed
+        )  # not reset per call: each call sees new garbage
 
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
         n = int(torch.randint(0, max_tokens + 1, (), generator=self.rng))
@@ -99,9 +108,19 @@ def perturbed_copy(model, scale: float, seed: int):
     return twin
 
 
-def random_block_drafter(model, seed: int, draft_vocab_size: int | None = None, block_size: int = 6,
-                         lookup_ngram: int = 0, lookup_tokens: int | None = None, ngram_store: NgramStore | None = None,
-                         store_min_n: int = 2, lookup_max_ngram: int = 3, prefer_store: float | None = None, **kwargs):
+def random_block_drafter(
+    model,
+    seed: int,
+    draft_vocab_size: int | None = None,
+    block_size: int = 6,
+    lookup_ngram: int = 0,
+    lookup_tokens: int | None = None,
+    ngram_store: NgramStore | None = None,
+    store_min_n: int = 2,
+    lookup_max_ngram: int = 3,
+    prefer_store: float | None = None,
+    **kwargs,
+):
     """A random-weight BlockDiffusionDrafter for `model` (`kwargs` are its own), its draft vocabulary a random subset
     of the verifier's. With `lookup_ngram` >= 1 or an `ngram_store`, the ChainDrafter of a PromptLookupDrafter
     (min_ngram=lookup_ngram, max_ngram=lookup_max_ngram, up to `lookup_tokens`, by default the block's) and it."""
@@ -116,10 +135,15 @@ def random_block_drafter(model, seed: int, draft_vocab_size: int | None = None, 
     block = BlockDiffusionDrafter(drafter_model, model, **kwargs)
     if not lookup_ngram and ngram_store is None:
         return block
-    lookup = PromptLookupDrafter(max_ngram=lookup_max_ngram, min_ngram=lookup_ngram,
-                                 max_draft_len=block.max_draft_len if lookup_tokens is None else lookup_tokens,
-                                 ngram_store=ngram_store, store_min_n=store_min_n, prefer_store=prefer_store,
-                                 verifier=model)  # fmt: skip
+    lookup = PromptLookupDrafter(
+        max_ngram=lookup_max_ngram,
+        min_ngram=lookup_ngram,
+        max_draft_len=block.max_draft_len if lookup_tokens is None else lookup_tokens,
+        ngram_store=ngram_store,
+        store_min_n=store_min_n,
+        prefer_store=prefer_store,
+        verifier=model,
+    )
     return ChainDrafter([lookup, block])
 
 
@@ -132,8 +156,9 @@ def ngram_store_for(model, seed: int, own_answers: bool) -> NgramStore:
     for _ in range(4):
         prompt = torch.randint(vocab, (1, 3), generator=gen)
         if own_answers:
-            ids = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=16, do_sample=False,
-                                 pad_token_id=0)[0]
+            ids = model.generate(
+                prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=16, do_sample=False, pad_token_id=0
+            )[0]
         else:
             ids = torch.cat([prompt[0], torch.randint(vocab, (16,), generator=gen)])
         answers.append((ids.tolist(), 3))
@@ -156,11 +181,19 @@ def drafters_for(draw, model, eos_token_id: int | None):
         return ModelDrafter(model, max_draft_len=8)
     if kind == "perturbed":
         return ModelDrafter(perturbed_copy(model, draw(st.sampled_from([0.01, 0.1])), seed), max_draft_len=8)
-    store = ngram_store_for(model, seed, draw(st.booleans())) if kind in ("lookup", "block") and draw(st.booleans()) else None
+    store = (
+        ngram_store_for(model, seed, draw(st.booleans()))
+        if kind in ("lookup", "block") and draw(st.booleans())
+        else None
+    )
     if kind == "lookup":
-        return PromptLookupDrafter(max_ngram=draw(st.sampled_from([1, 2, 3, 32])), max_draft_len=draw(st.integers(1, 8)),
-                                   ngram_store=store, store_min_n=draw(st.integers(1, 3)),
-                                   prefer_store=draw(st.sampled_from([None, 0.0, 0.5])) if store else None)
+        return PromptLookupDrafter(
+            max_ngram=draw(st.sampled_from([1, 2, 3, 32])),
+            max_draft_len=draw(st.integers(1, 8)),
+            ngram_store=store,
+            store_min_n=draw(st.integers(1, 3)),
+            prefer_store=draw(st.sampled_from([None, 0.0, 0.5])) if store else None,
+        )
     if kind == "adversarial":
         return AdversarialDrafter(vocab, eos_token_id, seed)
     if kind == "liar":
@@ -168,12 +201,19 @@ def drafters_for(draw, model, eos_token_id: int | None):
     if kind == "block":
         lookup_ngram = draw(st.sampled_from([0, 1, 2]))
         return random_block_drafter(
-            model, seed, draft_vocab_size=draw(st.sampled_from([None, vocab // 2])), block_size=draw(st.integers(2, 9)),
-            steps=draw(st.integers(1, 3)), threshold=draw(st.sampled_from([0.0, 0.5, 1.0])),
-            lookup_ngram=lookup_ngram, lookup_tokens=draw(st.sampled_from([None, 3, 12])) if lookup_ngram or store else None,
-            ngram_store=store, store_min_n=draw(st.integers(1, 3)),
-            lookup_max_ngram=draw(st.sampled_from([3, 32])), prefer_store=draw(st.sampled_from([None, 0.5])) if store else None,
-        )  # fmt: skip
+            model,
+            seed,
+            draft_vocab_size=draw(st.sampled_from([None, vocab // 2])),
+            block_size=draw(st.integers(2, 9)),
+            steps=draw(st.integers(1, 3)),
+            threshold=draw(st.sampled_from([0.0, 0.5, 1.0])),
+            lookup_ngram=lookup_ngram,
+            lookup_tokens=draw(st.sampled_from([None, 3, 12])) if lookup_ngram or store else None,
+            ngram_store=store,
+            store_min_n=draw(st.integers(1, 3)),
+            lookup_max_ngram=draw(st.sampled_from([3, 32])),
+            prefer_store=draw(st.sampled_from([None, 0.5])) if store else None,
+        )
     return None
 
 

@@ -240,8 +240,15 @@ def test_batch_rows_of_different_lengths_need_a_pad_token(model, prompt, drafter
     other = prompt.clone()
     other[0, 0] = (other[0, 0] + 1) % VOCAB
     with pytest.raises(ValueError, match=r"no pad_token_id to fill the shorter ones: set pad_token_id"):
-        gen(model, torch.cat([prompt, other]), drafter, eos_token_id=None, pad_token_id=None, max_new_tokens=5,
-            stopping_criteria=StoppingCriteriaList([StopRowStartingWith(int(prompt[0, 0]))]))
+        gen(
+            model,
+            torch.cat([prompt, other]),
+            drafter,
+            eos_token_id=None,
+            pad_token_id=None,
+            max_new_tokens=5,
+            stopping_criteria=StoppingCriteriaList([StopRowStartingWith(int(prompt[0, 0]))]),
+        )
 
 
 @pytest.mark.parametrize("shape", [(1, 5), (1, 9), (2, 8)])
@@ -300,24 +307,72 @@ def _one_hot(token: int, k: int = 1) -> torch.Tensor:
 
 
 BAD_DRAFTS = {
-    "negative token": (lambda ctx, n: Draft(torch.tensor([5, -1])), False, r"token id -1 outside the verifier's vocabulary \[0, 64\)"),
-    "token == vocab": (lambda ctx, n: Draft(torch.tensor([VOCAB])), False, r"token id 64 outside the verifier's vocabulary \[0, 64\)"),
-    "token > vocab": (lambda ctx, n: Draft(torch.tensor([3, VOCAB + 7])), False, r"token id 71 outside the verifier's vocabulary"),
+    "negative token": (
+        lambda ctx, n: Draft(torch.tensor([5, -1])),
+        False,
+        r"token id -1 outside the verifier's vocabulary \[0, 64\)",
+    ),
+    "token == vocab": (
+        lambda ctx, n: Draft(torch.tensor([VOCAB])),
+        False,
+        r"token id 64 outside the verifier's vocabulary \[0, 64\)",
+    ),
+    "token > vocab": (
+        lambda ctx, n: Draft(torch.tensor([3, VOCAB + 7])),
+        False,
+        r"token id 71 outside the verifier's vocabulary",
+    ),
     "2-D tokens": (lambda ctx, n: Draft(torch.tensor([[3, 4]])), False, r"tokens \(1, 2\).*expected a 1-D LongTensor"),
     "float tokens": (lambda ctx, n: Draft(torch.tensor([3.0, 4.0])), False, r"expected a 1-D LongTensor"),
     "list tokens": (lambda ctx, n: Draft([3, 4]), False, r"tokens list; expected a 1-D LongTensor"),
-    "too many tokens": (lambda ctx, n: Draft(torch.full((n + 1,), 3)), False, r"returned \d+ tokens but at most \d+ were asked for"),
-    "probs wrong vocab": (lambda ctx, n: Draft(torch.tensor([3]), torch.full((1, VOCAB + 1), 1 / (VOCAB + 1))), True, r"probs \(1, 65\); expected \(1, 64\)"),
-    "probs wrong rows": (lambda ctx, n: Draft(torch.tensor([3]), _one_hot(3, 2)), True, r"probs \(2, 64\); expected \(1, 64\)"),
+    "too many tokens": (
+        lambda ctx, n: Draft(torch.full((n + 1,), 3)),
+        False,
+        r"returned \d+ tokens but at most \d+ were asked for",
+    ),
+    "probs wrong vocab": (
+        lambda ctx, n: Draft(torch.tensor([3]), torch.full((1, VOCAB + 1), 1 / (VOCAB + 1))),
+        True,
+        r"probs \(1, 65\); expected \(1, 64\)",
+    ),
+    "probs wrong rows": (
+        lambda ctx, n: Draft(torch.tensor([3]), _one_hot(3, 2)),
+        True,
+        r"probs \(2, 64\); expected \(1, 64\)",
+    ),
     "probs 1-D": (lambda ctx, n: Draft(torch.tensor([3]), _one_hot(3)[0]), True, r"probs \(64,\); expected \(1, 64\)"),
-    "probs not a tensor": (lambda ctx, n: Draft(torch.tensor([3]), [[1.0] + [0.0] * (VOCAB - 1)]), True, r"probs list; expected \(1, 64\)"),
-    "probs rows do not sum to 1": (lambda ctx, n: Draft(torch.tensor([3]), torch.ones(1, VOCAB)), True, r"probs whose rows do not sum to 1"),
-    "probs negative": (lambda ctx, n: Draft(torch.tensor([3]), _one_hot(3) * 2 - _one_hot(4)), True, r"negative or non-finite"),
+    "probs not a tensor": (
+        lambda ctx, n: Draft(torch.tensor([3]), [[1.0] + [0.0] * (VOCAB - 1)]),
+        True,
+        r"probs list; expected \(1, 64\)",
+    ),
+    "probs rows do not sum to 1": (
+        lambda ctx, n: Draft(torch.tensor([3]), torch.ones(1, VOCAB)),
+        True,
+        r"probs whose rows do not sum to 1",
+    ),
+    "probs negative": (
+        lambda ctx, n: Draft(torch.tensor([3]), _one_hot(3) * 2 - _one_hot(4)),
+        True,
+        r"negative or non-finite",
+    ),
     "probs nan": (lambda ctx, n: Draft(torch.tensor([3]), _one_hot(3) * float("nan")), True, r"negative or non-finite"),
-    "probs zero at token": (lambda ctx, n: Draft(torch.tensor([3]), _one_hot(4)), True, r"proposed a token its own probs give probability 0"),
-    "not a Draft (tensor)": (lambda ctx, n: torch.tensor([3, 4]), False, r"returned Tensor; it must return a drafters\.Draft"),
+    "probs zero at token": (
+        lambda ctx, n: Draft(torch.tensor([3]), _one_hot(4)),
+        True,
+        r"proposed a token its own probs give probability 0",
+    ),
+    "not a Draft (tensor)": (
+        lambda ctx, n: torch.tensor([3, 4]),
+        False,
+        r"returned Tensor; it must return a drafters\.Draft",
+    ),
     "not a Draft (None)": (lambda ctx, n: None, False, r"returned NoneType; it must return a drafters\.Draft"),
-    "not a Draft (tuple)": (lambda ctx, n: (torch.tensor([3]), None), False, r"returned tuple; it must return a drafters\.Draft"),
+    "not a Draft (tuple)": (
+        lambda ctx, n: (torch.tensor([3]), None),
+        False,
+        r"returned tuple; it must return a drafters\.Draft",
+    ),
 }
 
 
@@ -358,23 +413,45 @@ def test_draft_error_is_a_value_error():
 UNSUPPORTED = {
     "num_beams": ({"num_beams": 4}, ValueError, r"num_beams=4"),
     "assistant_model": (None, TypeError, r"assisted-generation argument\(s\) \['assistant_model'\]"),
-    "num_assistant_tokens": ({"num_assistant_tokens": 5}, TypeError, r"assisted-generation argument\(s\) \['num_assistant_tokens'\]"),
+    "num_assistant_tokens": (
+        {"num_assistant_tokens": 5},
+        TypeError,
+        r"assisted-generation argument\(s\) \['num_assistant_tokens'\]",
+    ),
     "made-up kwarg": ({"foo": 1}, TypeError, r"unsupported argument\(s\) \['foo'\]"),
-    "prompt_lookup_num_tokens": ({"prompt_lookup_num_tokens": 3}, ValueError, r"prompt_lookup_num_tokens=3.*PromptLookupDrafter"),
+    "prompt_lookup_num_tokens": (
+        {"prompt_lookup_num_tokens": 3},
+        ValueError,
+        r"prompt_lookup_num_tokens=3.*PromptLookupDrafter",
+    ),
     "output_attentions": ({"output_attentions": True}, ValueError, r"output_attentions=True"),
     "output_hidden_states": ({"output_hidden_states": True}, ValueError, r"output_hidden_states=True"),
-    "past_key_values": ({"past_key_values": "cache"}, ValueError, r"does not continue from a past_key_values.*drop past_key_values"),
+    "past_key_values": (
+        {"past_key_values": "cache"},
+        ValueError,
+        r"does not continue from a past_key_values.*drop past_key_values",
+    ),
     "synced_gpus": ({"synced_gpus": True}, TypeError, r"does not support argument\(s\) \['synced_gpus'\]"),
     # Greedy: `generate`'s own config validation names it; sampling: hybrid's check does.
     "num_return_sequences": ({"num_return_sequences": 2}, ValueError, r"num_return_sequences.*2"),
-    "num_return_sequences sampling": ({"num_return_sequences": 2, "do_sample": True}, ValueError, r"num_return_sequences=2"),
+    "num_return_sequences sampling": (
+        {"num_return_sequences": 2, "do_sample": True},
+        ValueError,
+        r"num_return_sequences=2",
+    ),
     "num_beams sampling": ({"num_beams": 4, "do_sample": True}, ValueError, r"num_beams=4"),
     "penalty_alpha": ({"penalty_alpha": 0.6, "top_k": 4}, ValueError, r"penalty_alpha=0\.6"),
     "use_cache=False": ({"use_cache": False}, ValueError, r"use_cache=False"),
-    "cache_implementation=offloaded": ({"cache_implementation": "offloaded"}, ValueError,
-                                       r"cache_implementation='offloaded'.*cache_implementation='static'"),
-    "compile_config without static": ({"compile_config": "config"}, ValueError,
-                                      r"compile_config applies to the static-shape path.*cache_implementation='static'"),
+    "cache_implementation=offloaded": (
+        {"cache_implementation": "offloaded"},
+        ValueError,
+        r"cache_implementation='offloaded'.*cache_implementation='static'",
+    ),
+    "compile_config without static": (
+        {"compile_config": "config"},
+        ValueError,
+        r"compile_config applies to the static-shape path.*cache_implementation='static'",
+    ),
 }
 
 
@@ -397,7 +474,11 @@ def test_unsupported_argument(env, model, prompt, drafter, case):
 def test_verifier_is_bert(prompt, drafter):
     bert = transformers.BertModel(
         transformers.BertConfig(
-            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
+            vocab_size=VOCAB,
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            intermediate_size=64,
             max_position_embeddings=CONTEXT,
         )
     ).eval()
@@ -413,7 +494,13 @@ def test_verifier_is_linear(prompt, drafter):
 def test_verifier_is_encoder_decoder(prompt, drafter):
     t5 = transformers.T5ForConditionalGeneration(
         transformers.T5Config(
-            vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_decoder_layers=1, num_heads=4,
+            vocab_size=VOCAB,
+            d_model=32,
+            d_kv=8,
+            d_ff=64,
+            num_layers=1,
+            num_decoder_layers=1,
+            num_heads=4,
         )
     ).eval()
     with pytest.raises(TypeError, match=r"T5ForConditionalGeneration is not a decoder-only causal LM"):

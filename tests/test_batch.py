@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from strategies import cache_layouts, drafters_for, padded_batches, verifiers
 
 import hybrid
-from strategies import cache_layouts, drafters_for, padded_batches, verifiers
 
 PROPERTY = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 PAD = 0
@@ -22,12 +22,17 @@ def test_batch_rows_equal_batch_one_outputs(data):
     width = input_ids.shape[1]
     eos = data.draw(st.one_of(st.none(), st.integers(1, vocab - 1)), label="eos")
     drafter = data.draw(drafters_for(model, eos), label="drafter")
-    settings_ = {"max_new_tokens": data.draw(st.integers(1, 20), label="max_new_tokens"), "do_sample": False,
-                 "eos_token_id": eos, "pad_token_id": PAD}  # fmt: skip
+    settings_ = {
+        "max_new_tokens": data.draw(st.integers(1, 20), label="max_new_tokens"),
+        "do_sample": False,
+        "eos_token_id": eos,
+        "pad_token_id": PAD,
+    }
 
     static = data.draw(cache_layouts(model), label="cache_implementation")
-    batch = hybrid.generate(model, input_ids, attention_mask=mask, drafter=drafter, cache_implementation=static,
-                            **settings_)  # fmt: skip
+    batch = hybrid.generate(
+        model, input_ids, attention_mask=mask, drafter=drafter, cache_implementation=static, **settings_
+    )
     assert batch.shape[0] == len(rows) and torch.equal(batch[:, :width], input_ids)
     for r, row in enumerate(rows):
         alone = hybrid.generate(model, torch.tensor([row]), drafter=drafter, **settings_)[0, len(row) :]

@@ -10,8 +10,22 @@ from experiments import batching
 
 
 def test_batching_benchmark_checks_rows_against_batch_one(tmp_path, capsys):
-    results = batching.main(["--model", "tiny", "--dataset", "dev", "--num-prompts", "4", "--batch-sizes", "1,2,4",
-                             "--max-new-tokens", "8", "--out", str(tmp_path)])  # fmt: skip
+    results = batching.main(
+        [
+            "--model",
+            "tiny",
+            "--dataset",
+            "dev",
+            "--num-prompts",
+            "4",
+            "--batch-sizes",
+            "1,2,4",
+            "--max-new-tokens",
+            "8",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert set(results) == {f"{m}@{b}" for m in batching.METHODS for b in (1, 2, 4)}
     for key, result in results.items():
         assert result["tok_s"] > 0

@@ -30,8 +30,23 @@ def prompts_file(tmp_path):
 
 
 def bench_args(prompts_file, out, *extra):
-    return ["--model", "tiny", "--dataset", str(prompts_file), "--methods", METHODS, "--num-prompts", "3",
-            "--max-new-tokens", "10", "--repeats", "2", "--out", str(out), *extra]  # fmt: skip
+    return [
+        "--model",
+        "tiny",
+        "--dataset",
+        str(prompts_file),
+        "--methods",
+        METHODS,
+        "--num-prompts",
+        "3",
+        "--max-new-tokens",
+        "10",
+        "--repeats",
+        "2",
+        "--out",
+        str(out),
+        *extra,
+    ]
 
 
 def no_model(name):
@@ -87,7 +102,9 @@ def test_sharded_measurements_equal_unsharded(prompts_file, tmp_path):
     _, args = bench.parse_args(bench_args(prompts_file, tmp_path))
     prompts = list(enumerate(bench.load_prompts(str(prompts_file))))
     whole = bench.run_shard(args, prompts, set(), tmp_path / "whole.jsonl", show_progress=False)
-    shards = [bench.run_shard(args, prompts[r::2], set(), tmp_path / f"rank{r}.jsonl", show_progress=False) for r in (0, 1)]
+    shards = [
+        bench.run_shard(args, prompts[r::2], set(), tmp_path / f"rank{r}.jsonl", show_progress=False) for r in (0, 1)
+    ]
     merged = {bench.measurement_key(r): r for r in shards[0] + shards[1]}
     assert len(merged) == len(whole) == 2 * 3 * 4
     assert all(decoding(r) == decoding(merged[bench.measurement_key(r)]) for r in whole)

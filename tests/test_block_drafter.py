@@ -8,8 +8,10 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from strategies import random_block_drafter, tiny_model
 from transformers import LogitsProcessorList
 
+import hybrid
 from drafters import BlockDiffusionDrafter, ChainDrafter, Draft, DraftContext, PromptLookupDrafter
 from drafters.block_diffusion import CONFIG_NAME, CONTEXT, WEIGHTS_NAME, frozen_verifier_parts, load_model
 from drafters.ngram_store import NgramStore
@@ -19,10 +21,8 @@ from drafters.training.estimate import accepted_lengths, greedy_block_drafts
 from drafters.training.models import block_forward
 from drafters.training.train import main as train_main
 from drafters.training.train import parser, train
-import hybrid
 from hybrid.testing import check_greedy_lossless
 from schedulers import FixedScheduler
-from strategies import random_block_drafter, tiny_model
 from verifiers.verifier import Verifier
 
 VOCAB, BLOCK = 64, 6
@@ -139,8 +139,10 @@ def test_rows_drafted_together_equal_rows_drafted_alone(world, static):
         torch.testing.assert_close(a.confidence, b.confidence)
     blocks = torch.stack([torch.cat([seq[-1:], torch.zeros(BLOCK - 1, dtype=torch.long)]) for seq in seqs])
     knowns = (torch.arange(BLOCK) == 0).expand(3, -1)
-    torch.testing.assert_close(drafter.block_logits_rows(ctxs, blocks, knowns),
-                               torch.stack([drafter.block_logits(c, b, k) for c, b, k in zip(reference, blocks, knowns)]))  # fmt: skip
+    torch.testing.assert_close(
+        drafter.block_logits_rows(ctxs, blocks, knowns),
+        torch.stack([drafter.block_logits(c, b, k) for c, b, k in zip(reference, blocks, knowns)]),
+    )
 
 
 def test_known_positions_condition_the_block_as_in_training(world):
@@ -154,7 +156,9 @@ def test_known_positions_condition_the_block_as_in_training(world):
     with torch.no_grad():
         trained = block_forward(drafter.model, embed, head, batch)[0]
     block, known = batch["tokens"][0, 0], batch["known"][0, 0]
-    torch.testing.assert_close(drafting_logits(verifier, drafter, ids, 9, block, known), trained[0], atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(
+        drafting_logits(verifier, drafter, ids, 9, block, known), trained[0], atol=1e-3, rtol=1e-3
+    )
 
 
 def test_a_masked_position_reads_the_anchor_at_its_block_index(world):
@@ -216,15 +220,25 @@ def test_save_load_round_trip_and_checks(world, tmp_path):
 @pytest.mark.parametrize("steps,lookup,lookup_tokens", [(1, 0, None), (3, 0, None), (2, 2, None), (1, 1, 15)])
 def test_engine_with_block_drafter_matches_generate(steps, lookup, lookup_tokens):
     verifier = tiny_model("qwen2", VOCAB, 2, seed=7)
-    drafter = random_block_drafter(verifier, seed=1, draft_vocab_size=40, block_size=8, steps=steps, threshold=0.2,
-                                   lookup_ngram=lookup, lookup_tokens=lookup_tokens)
+    drafter = random_block_drafter(
+        verifier,
+        seed=1,
+        draft_vocab_size=40,
+        block_size=8,
+        steps=steps,
+        threshold=0.2,
+        lookup_ngram=lookup,
+        lookup_tokens=lookup_tokens,
+    )
     report = check_greedy_lossless(verifier, torch.tensor([[5, 9, 5, 9, 3]]), drafter, max_new_tokens=40)
     assert sum(report.stats.drafted) > 0
 
 
 def test_a_lookup_match_longer_than_the_block_is_proposed_whole(world):
     verifier, _, _ = world
-    ids = torch.tensor([7, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11, 7])  # the last token, 7, was seen before: 1, 2, ... followed it
+    ids = torch.tensor(
+        [7, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11, 7]
+    )  # the last token, 7, was seen before: 1, 2, ... followed it
     v = Verifier(verifier, hidden_layers=(1,))
     v.prefill(ids[None, :-1], None, capacity=64)
     ctx = DraftContext(ids[None], False, LogitsProcessorList(), None, v)
@@ -271,8 +285,15 @@ def test_the_scheduler_chooses_the_denoising_passes(chosen):
     passes = []
     original = drafter.block_logits
     drafter.block_logits = lambda *args: passes.append(1) or original(*args)
-    _, stats = hybrid.generate(verifier, torch.tensor([[3, 4, 5]]), drafter=drafter, max_new_tokens=12, do_sample=False,
-                               scheduler=FixedScheduler(5, steps=chosen), return_stats=True)  # fmt: skip
+    _, stats = hybrid.generate(
+        verifier,
+        torch.tensor([[3, 4, 5]]),
+        drafter=drafter,
+        max_new_tokens=12,
+        do_sample=False,
+        scheduler=FixedScheduler(5, steps=chosen),
+        return_stats=True,
+    )
     drafting_steps = sum(1 for k in stats.drafted[1:] if k)
     assert drafting_steps and len(passes) == chosen * drafting_steps
 
@@ -281,10 +302,26 @@ def test_the_scheduler_chooses_the_denoising_passes(chosen):
 def test_training_runs_and_resumes_exactly(world, tmp_path, arch):
     """A few steps on a tiny verifier; 2 steps + resume to 4 gives the very weights of 4 steps in one go."""
     verifier, _, store = world
-    args = lambda steps: parser().parse_args([  # noqa: E731
-        "--arch", arch, "--steps", str(steps), "--seqs-per-step", "2", "--anchors-per-seq", "4", "--block-size",
-        str(BLOCK), "--draft-vocab", "48", "--save-every", "1", "--eval-every", "2",
-    ])  # fmt: skip
+    args = lambda steps: parser().parse_args(  # noqa: E731
+        [
+            "--arch",
+            arch,
+            "--steps",
+            str(steps),
+            "--seqs-per-step",
+            "2",
+            "--anchors-per-seq",
+            "4",
+            "--block-size",
+            str(BLOCK),
+            "--draft-vocab",
+            "48",
+            "--save-every",
+            "1",
+            "--eval-every",
+            "2",
+        ]
+    )
     straight = train(args(4), verifier, store, tmp_path / "a-out", tmp_path / "a-run")
     train(args(2), verifier, store, tmp_path / "b-out", tmp_path / "b-run")
     resumed = train(args(4), verifier, store, tmp_path / "b-out", tmp_path / "b-run")
@@ -300,8 +337,22 @@ def test_training_runs_and_resumes_exactly(world, tmp_path, arch):
 def test_training_can_start_from_a_checkpoint(world, tmp_path):
     verifier, drafter, store = world
     drafter.save_pretrained(tmp_path / "base")
-    args = parser().parse_args(["--init-from", str(tmp_path / "base"), "--steps", "1",
-                                "--seqs-per-step", "2", "--anchors-per-seq", "4", "--eval-every", "1", "--lr", "0"])
+    args = parser().parse_args(
+        [
+            "--init-from",
+            str(tmp_path / "base"),
+            "--steps",
+            "1",
+            "--seqs-per-step",
+            "2",
+            "--anchors-per-seq",
+            "4",
+            "--eval-every",
+            "1",
+            "--lr",
+            "0",
+        ]
+    )
     train(args, verifier, store, tmp_path / "out", tmp_path / "run")
     tuned = BlockDiffusionDrafter.from_pretrained(tmp_path / "out", verifier)
     assert tuned.model.config.block_size == BLOCK

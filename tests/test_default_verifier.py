@@ -53,14 +53,21 @@ def test_real_verifier_greedy_is_lossless(default, prompt, lookup):
 def test_real_verifier_static_path_is_lossless(default):
     """The default drafter on the static-shape path (eager here; compiled on a GPU): generate's tokens."""
     model, tokenizer, drafter = default
-    report = check_greedy_lossless(model, encode_prompt(tokenizer, PROMPTS[0]), drafter, max_new_tokens=96,
-                                   hybrid_kwargs={"cache_implementation": "static"})  # fmt: skip
+    report = check_greedy_lossless(
+        model,
+        encode_prompt(tokenizer, PROMPTS[0]),
+        drafter,
+        max_new_tokens=96,
+        hybrid_kwargs={"cache_implementation": "static"},
+    )
     assert report.near_tie_at is None, f"near tie at new token {report.near_tie_at}"
     assert report.stats.tau > 1.5, "the block drafter's drafts are accepted on the static path too"
 
 
 def test_cli_prints_tau_above_one_and_speedup_on_code_prompt(default, capsys):
-    cli_main(["generate", "Write a Python class Matrix with add, multiply and transpose methods.", "--max-new-tokens", "96"])
+    cli_main(
+        ["generate", "Write a Python class Matrix with add, multiply and transpose methods.", "--max-new-tokens", "96"]
+    )
     printed = capsys.readouterr().out
     line = re.search(r"tau ([\d.]+)\s+speed-up ([\d.]+)x\s+identical to model.generate: (\w+)", printed)
     assert line, printed

@@ -11,13 +11,13 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from strategies import tiny_model
 
 import hybrid
 from drafters import Draft, OracleDrafter, PromptLookupDrafter
 from drafters.ngram_store import NgramStore
 from drafters.prompt_lookup import lookup_continuation, lookup_draft
 from schedulers import FixedScheduler, HeuristicScheduler
-from strategies import tiny_model
 
 
 def ids(*tokens):
@@ -38,7 +38,9 @@ def test_lookup_never_matches_the_suffix_itself_and_may_find_nothing():
     assert lookup_continuation(ids(4, 4), 1, 3, 4)[0].tolist() == [4]
 
 
-def longest_match_by_definition(ids: list[int], min_ngram: int, max_ngram: int, max_tokens: int) -> tuple[list[int], int]:
+def longest_match_by_definition(
+    ids: list[int], min_ngram: int, max_ngram: int, max_tokens: int
+) -> tuple[list[int], int]:
     """For n = max_ngram down to min_ngram: the most recent earlier occurrence of the last n tokens that has a
     token after it; what follows it."""
     for n in range(min(max_ngram, len(ids) - 1), min_ngram - 1, -1):
@@ -89,9 +91,13 @@ def test_oracle_drafter_reaches_the_ceiling():
     reference = model.generate(prompt, max_new_tokens=40, do_sample=False)
     for k in (1, 4, 16):
         out, stats = hybrid.generate(
-            model, prompt, drafter=OracleDrafter(reference), scheduler=FixedScheduler(k), max_new_tokens=40,
+            model,
+            prompt,
+            drafter=OracleDrafter(reference),
+            scheduler=FixedScheduler(k),
+            max_new_tokens=40,
             return_stats=True,
-        )  # fmt: skip
+        )
         assert torch.equal(out, reference)
         assert stats.verifier_forwards == 1 + math.ceil(39 / (k + 1))
         assert stats.accepted[1:-1] == [k] * (stats.verifier_forwards - 2)

@@ -61,9 +61,18 @@ def test_metrics_without_any_draft():
 
 
 def record(config: str, drafted, accepted, emitted, seconds, baseline_tokens, baseline_seconds, matches):
-    return {"config": config, "drafted": drafted, "accepted": accepted, "emitted": emitted,
-            "tau": metrics.tau(emitted), "new_tokens": sum(emitted), "total_time": seconds,
-            "baseline_new_tokens": baseline_tokens, "baseline_time": baseline_seconds, "matches_generate": matches}  # fmt: skip
+    return {
+        "config": config,
+        "drafted": drafted,
+        "accepted": accepted,
+        "emitted": emitted,
+        "tau": metrics.tau(emitted),
+        "new_tokens": sum(emitted),
+        "total_time": seconds,
+        "baseline_new_tokens": baseline_tokens,
+        "baseline_time": baseline_seconds,
+        "matches_generate": matches,
+    }
 
 
 def test_summarize_pools_counts_and_throughput():
@@ -88,13 +97,27 @@ def test_summarize_pools_counts_and_throughput():
 
 
 def test_adaptive_schedulers_are_compared_with_the_best_fixed_k_in_hindsight():
-    row = lambda scheduler, speed, dataset="d": {"dataset": dataset, "drafter": "x", "block_size": 16,  # noqa: E731
-                                                "temperature": 0.0, "scheduler": scheduler, "tokens_per_s": speed}
-    rows = [row("fixed-4", 20.0), row("fixed-13", 30.0), row("fixed", 25.0), row("cost-aware", 33.0),
-            row("fixed-4", 10.0, "other"), row(None, 9.0)]  # another dataset's fixed k and a drafter-less row
+    row = lambda scheduler, speed, dataset="d": {  # noqa: E731
+        "dataset": dataset,
+        "drafter": "x",
+        "block_size": 16,  # noqa: E731
+        "temperature": 0.0,
+        "scheduler": scheduler,
+        "tokens_per_s": speed,
+    }
+    rows = [
+        row("fixed-4", 20.0),
+        row("fixed-13", 30.0),
+        row("fixed", 25.0),
+        row("cost-aware", 33.0),
+        row("fixed-4", 10.0, "other"),
+        row(None, 9.0),
+    ]  # another dataset's fixed k and a drafter-less row
     assert acceptance.fixed_k(rows[2]["scheduler"], rows[2]["block_size"]) == 16  # "fixed" verifies the block size
     (line,) = acceptance.against_fixed(rows)
-    assert line.startswith("d x b=16 T=0: cost-aware 33.0 tok/s = 1.10x the best fixed k in hindsight (k = 13 of 3 swept")
+    assert line.startswith(
+        "d x b=16 T=0: cost-aware 33.0 tok/s = 1.10x the best fixed k in hindsight (k = 13 of 3 swept"
+    )
     assert line.endswith("1.32x fixed k = 16 (25.0)")
     assert acceptance.against_fixed([row("cost-aware", 33.0)]) == []  # nothing to compare with
 
@@ -126,7 +149,10 @@ def prompts_file(tmp_path):
         (["--schedulers", "fixed-8", "--block-sizes", "4"], "verifies 8 tokens but block size 4"),
         (["--block-sizes", "0"], "block size 0 must be >= 1"),
         (["--block-sizes", "2,x"], "'x' is not an integer"),
-        (["--drafters", "tiny-block", "--block-sizes", "8"], "block size 8 is above drafter 'tiny-block''s maximum of 4"),
+        (
+            ["--drafters", "tiny-block", "--block-sizes", "8"],
+            "block size 8 is above drafter 'tiny-block''s maximum of 4",
+        ),
         (["--drafters", "block", "--block-sizes", "99"], "block size 99 is above drafter 'block''s maximum of"),
         (["--temperatures", "-1"], "temperature -1.0 must be >= 0"),
         (["--num-prompts", "0"], "--num-prompts 0"),
@@ -135,7 +161,9 @@ def prompts_file(tmp_path):
 )
 def test_bad_input_fails_before_any_model_loads(args, message, monkeypatch, capsys, tmp_path):
     # A block drafter trained for blocks of 4, registered the way a new drafter would be.
-    monkeypatch.setitem(acceptance.DRAFTERS, "tiny-block", DrafterEntry(lambda b, ref, model: None, 4, max_block_size=4))
+    monkeypatch.setitem(
+        acceptance.DRAFTERS, "tiny-block", DrafterEntry(lambda b, ref, model: None, 4, max_block_size=4)
+    )
     with pytest.raises(SystemExit) as exit_info:
         acceptance.main(args + ["--out", str(tmp_path / "out")], load=no_model)
     assert exit_info.value.code == 2
@@ -156,9 +184,27 @@ def test_chat_template_applied_when_the_tokenizer_has_one():
 
 
 def sweep_args(prompts_file, out, *extra):
-    return ["--model", "tiny", "--datasets", str(prompts_file), "--drafters", "lookup,oracle,none",
-            "--schedulers", "heuristic,fixed-2", "--block-sizes", "3", "--temperatures", "0,0.7",
-            "--num-prompts", "3", "--max-new-tokens", "12", "--out", str(out), *extra]  # fmt: skip
+    return [
+        "--model",
+        "tiny",
+        "--datasets",
+        str(prompts_file),
+        "--drafters",
+        "lookup,oracle,none",
+        "--schedulers",
+        "heuristic,fixed-2",
+        "--block-sizes",
+        "3",
+        "--temperatures",
+        "0,0.7",
+        "--num-prompts",
+        "3",
+        "--max-new-tokens",
+        "12",
+        "--out",
+        str(out),
+        *extra,
+    ]
 
 
 def read_lines(path: Path) -> list[dict]:
@@ -198,7 +244,9 @@ def test_resume_skips_finished_runs(prompts_file, tmp_path):
 def test_sharded_runs_equal_unsharded(prompts_file, tmp_path):
     plan = make_plan(parse_args(sweep_args(prompts_file, tmp_path))[1])
     whole = run_shard(plan, plan.prompts, set(), tmp_path / "whole.jsonl", show_progress=False)
-    shards = [run_shard(plan, plan.prompts[r::2], set(), tmp_path / f"rank{r}.jsonl", show_progress=False) for r in (0, 1)]
+    shards = [
+        run_shard(plan, plan.prompts[r::2], set(), tmp_path / f"rank{r}.jsonl", show_progress=False) for r in (0, 1)
+    ]
     merged = {run_key(r): r for r in shards[0] + shards[1]}
     assert len(merged) == len(whole) == len(plan.prompts) * len(plan.configs)
     assert all(same_decoding(r, merged[run_key(r)]) for r in whole)
@@ -219,11 +267,27 @@ def test_accelerate_launch_two_processes_matches_one(prompts_file, tmp_path):
     sharded = tmp_path / "sharded"
     # --multi_gpu on a machine without GPUs starts 2 torchrun workers, which the sweep runs on the CPU
     # (`--cpu --num_processes 2` would start only one without mpirun).
-    launch = ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
-              "--dynamo_backend", "no", "--main_process_port", str(free_port()), "-m", "experiments.acceptance"]  # fmt: skip
+    launch = [
+        "accelerate",
+        "launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        str(free_port()),
+        "-m",
+        "experiments.acceptance",
+    ]
     env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    result = subprocess.run(launch + sweep_args(prompts_file, sharded), cwd=REPO, env=env, capture_output=True, text=True,
-                            timeout=120)  # fmt: skip
+    result = subprocess.run(
+        launch + sweep_args(prompts_file, sharded), cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     expected = {run_key(r): r for r in read_lines(single / "runs.jsonl")}
     got = {run_key(r): r for r in read_lines(sharded / "runs.jsonl")}
@@ -236,7 +300,9 @@ def test_accelerate_launch_two_processes_matches_one(prompts_file, tmp_path):
 def test_warns_when_accelerate_cpu_launch_started_one_process(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.setenv("ACCELERATE_USE_CPU", "True")
-    monkeypatch.setenv("MASTER_PORT", "29500")  # what `accelerate launch --cpu --num_processes 2` sets, and no WORLD_SIZE
+    monkeypatch.setenv(
+        "MASTER_PORT", "29500"
+    )  # what `accelerate launch --cpu --num_processes 2` sets, and no WORLD_SIZE
     assert acceptance.started_alone_by_accelerate()
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert not acceptance.started_alone_by_accelerate()

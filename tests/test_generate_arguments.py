@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from strategies import tiny_model
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
@@ -10,7 +11,6 @@ import hybrid
 from drafters import ModelDrafter, PromptLookupDrafter
 from hybrid.testing import check_greedy_lossless
 from schedulers import FixedScheduler
-from strategies import tiny_model
 
 MODEL = tiny_model("llama", 64, 2, seed=4)
 PROMPT = torch.tensor([[7, 3, 9, 7, 3, 9, 7]])
@@ -37,10 +37,15 @@ class StopAfterToken(StoppingCriteria):
 
 
 def test_custom_logits_processor_and_stopping_criteria():
-    plain = MODEL.generate(PROMPT, max_new_tokens=30, do_sample=False, logits_processor=LogitsProcessorList([BanEvenTokens()]))
+    plain = MODEL.generate(
+        PROMPT, max_new_tokens=30, do_sample=False, logits_processor=LogitsProcessorList([BanEvenTokens()])
+    )
     stop_token = int(plain[0, PROMPT.shape[1] + 5])  # a token the processed greedy run emits: stop there
-    kwargs = {"max_new_tokens": 30, "logits_processor": LogitsProcessorList([BanEvenTokens()]),
-              "stopping_criteria": StoppingCriteriaList([StopAfterToken(stop_token)])}  # fmt: skip
+    kwargs = {
+        "max_new_tokens": 30,
+        "logits_processor": LogitsProcessorList([BanEvenTokens()]),
+        "stopping_criteria": StoppingCriteriaList([StopAfterToken(stop_token)]),
+    }
     report = check_greedy_lossless(MODEL, PROMPT, ModelDrafter(MODEL), FixedScheduler(4), **kwargs)
     new = report.output[0, PROMPT.shape[1] :]
     assert (new % 2 == 1).all() and int(new[-1]) == stop_token and new.shape[0] <= 6
@@ -49,12 +54,20 @@ def test_custom_logits_processor_and_stopping_criteria():
 def test_generation_config_object():
     config = GenerationConfig(max_new_tokens=12, do_sample=False, repetition_penalty=1.5)
     expected = MODEL.generate(PROMPT, generation_config=config)
-    assert torch.equal(hybrid.generate(MODEL, PROMPT, drafter=PromptLookupDrafter(), generation_config=config), expected)
+    assert torch.equal(
+        hybrid.generate(MODEL, PROMPT, drafter=PromptLookupDrafter(), generation_config=config), expected
+    )
 
 
 def test_output_scores_and_logits_match_generate():
-    kwargs = {"max_new_tokens": 15, "do_sample": False, "return_dict_in_generate": True, "output_scores": True,
-              "output_logits": True, "repetition_penalty": 1.2}  # fmt: skip
+    kwargs = {
+        "max_new_tokens": 15,
+        "do_sample": False,
+        "return_dict_in_generate": True,
+        "output_scores": True,
+        "output_logits": True,
+        "repetition_penalty": 1.2,
+    }
     ref = MODEL.generate(PROMPT, **kwargs)
     out = hybrid.generate(MODEL, PROMPT, drafter=ModelDrafter(MODEL), scheduler=FixedScheduler(5), **kwargs)
     assert torch.equal(out.sequences, ref.sequences)
@@ -78,8 +91,9 @@ class Recorder(BaseStreamer):
 def test_streamer_sees_the_prompt_then_every_token_once():
     plain, mine = Recorder(), Recorder()
     MODEL.generate(PROMPT, max_new_tokens=25, do_sample=False, streamer=plain)
-    hybrid.generate(MODEL, PROMPT, drafter=ModelDrafter(MODEL), scheduler=FixedScheduler(6), max_new_tokens=25,
-                    streamer=mine)  # fmt: skip
+    hybrid.generate(
+        MODEL, PROMPT, drafter=ModelDrafter(MODEL), scheduler=FixedScheduler(6), max_new_tokens=25, streamer=mine
+    )
     assert mine.puts[0] == plain.puts[0] == PROMPT[0].tolist()
     assert sum(mine.puts[1:], []) == sum(plain.puts[1:], [])
     assert len(mine.puts) < len(plain.puts)  # blocks arrive several tokens at a time
@@ -90,8 +104,17 @@ def test_top_p_sampling_only_emits_tokens_inside_the_nucleus():
     """With top_p the engine can only emit tokens the warped p keeps, whatever the drafter proposes."""
     gen = torch.Generator().manual_seed(0)
     for _ in range(20):
-        out = hybrid.generate(MODEL, PROMPT, drafter=ModelDrafter(tiny_model("qwen2", 64, 1, seed=9)), do_sample=True,
-                              top_p=0.3, top_k=0, max_new_tokens=8, generator=gen, return_dict_in_generate=True,
-                              output_scores=True)  # fmt: skip
+        out = hybrid.generate(
+            MODEL,
+            PROMPT,
+            drafter=ModelDrafter(tiny_model("qwen2", 64, 1, seed=9)),
+            do_sample=True,
+            top_p=0.3,
+            top_k=0,
+            max_new_tokens=8,
+            generator=gen,
+            return_dict_in_generate=True,
+            output_scores=True,
+        )
         for token, scores in zip(out.sequences[0, PROMPT.shape[1] :], out.scores):
             assert torch.isfinite(scores[0, token])  # warped-out tokens have score -inf

@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from strategies import cache_layouts, drafters_for, prompts, schedulers_for, verifiers
 
 from hybrid.testing import check_cache_matches_prefill, check_greedy_lossless
-from strategies import cache_layouts, drafters_for, prompts, schedulers_for, verifiers
 
 PROPERTY = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -22,7 +22,10 @@ def test_greedy_output_equals_model_generate(data):
     model = data.draw(verifiers(), label="verifier")
     vocab = model.config.vocab_size
     input_ids = data.draw(prompts(vocab), label="prompt")
-    eos = data.draw(st.one_of(st.none(), st.integers(0, vocab - 1), st.lists(st.integers(0, vocab - 1), min_size=1, max_size=3)), label="eos")
+    eos = data.draw(
+        st.one_of(st.none(), st.integers(0, vocab - 1), st.lists(st.integers(0, vocab - 1), min_size=1, max_size=3)),
+        label="eos",
+    )
     first_eos = eos[0] if isinstance(eos, list) else eos
     drafter = data.draw(drafters_for(model, first_eos), label="drafter")
     scheduler = data.draw(schedulers_for(drafter), label="scheduler")
@@ -37,8 +40,9 @@ def test_greedy_output_equals_model_generate(data):
         kwargs["no_repeat_ngram_size"] = 2
 
     static = data.draw(cache_layouts(model), label="cache_implementation")
-    report = check_greedy_lossless(model, input_ids, drafter, scheduler, hybrid_kwargs={"cache_implementation": static},
-                                   **kwargs)  # fmt: skip
+    report = check_greedy_lossless(
+        model, input_ids, drafter, scheduler, hybrid_kwargs={"cache_implementation": static}, **kwargs
+    )
     if report.near_tie_at is not None:
         event("near-tie exception used")
     event(f"drafter={type(drafter).__name__}")
@@ -56,15 +60,22 @@ def test_cache_after_generation_equals_fresh_prefill(data):
     import hybrid
 
     out = hybrid.generate(
-        model, input_ids, drafter=drafter, scheduler=scheduler, max_new_tokens=max_new_tokens,
-        do_sample=False, return_dict_in_generate=True, cache_implementation=static,
-    )  # fmt: skip
+        model,
+        input_ids,
+        drafter=drafter,
+        scheduler=scheduler,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        return_dict_in_generate=True,
+        cache_implementation=static,
+    )
     check_cache_matches_prefill(model, out.sequences, out.cache)
 
 
 def test_left_padded_prompt_matches_model_generate():
     """A left-padded batch-1 prompt with its attention mask decodes exactly as `generate` decodes it."""
     from strategies import tiny_model
+
     from drafters import ModelDrafter, PromptLookupDrafter
 
     model = tiny_model("llama", 64, 2, seed=3)

@@ -28,7 +28,8 @@ FILES = {module_name(path): path for layer in LAYERS for path in sorted((ROOT / 
 
 def is_type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def imports(module: str) -> list[tuple[int, str, bool]]:
@@ -101,8 +102,10 @@ def test_nothing_at_run_time_imports_the_training_package():
 
 
 def test_import_time_imports_have_no_cycle():
-    graph = {module: sorted({target for _, target, at_import in found if at_import and target in FILES} - {module})
-             for module, found in IMPORTS.items()}
+    graph = {
+        module: sorted({target for _, target, at_import in found if at_import and target in FILES} - {module})
+        for module, found in IMPORTS.items()
+    }
     state: dict[str, str] = {}  # "open" while on the current path, "done" after
 
     def cycle_from(module: str, path: list[str]) -> list[str] | None:
@@ -119,6 +122,8 @@ def test_import_time_imports_have_no_cycle():
 
     for module in sorted(graph):
         if module not in state and (cycle := cycle_from(module, [])):
-            lines = [f"{where(a, next(line for line, t, now in IMPORTS[a] if t == b and now))}: {a} imports {b}"
-                     for a, b in zip(cycle, cycle[1:])]
+            lines = [
+                f"{where(a, next(line for line, t, now in IMPORTS[a] if t == b and now))}: {a} imports {b}"
+                for a, b in zip(cycle, cycle[1:])
+            ]
             raise AssertionError("import cycle " + " -> ".join(cycle) + ":\n" + "\n".join(lines))

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from strategies import LyingDrafter
 from transformers import OpenAIGPTConfig, OpenAIGPTLMHeadModel, RwkvConfig, RwkvForCausalLM
 
 import hybrid
 from drafters import ModelDrafter, PromptLookupDrafter
 from hybrid.testing import check_greedy_lossless, tiny_model
-from strategies import LyingDrafter
 
 GREEDY = {"do_sample": False, "pad_token_id": 0}
 
@@ -93,8 +93,9 @@ def test_model_that_ignores_the_cache_is_refused():
 
 
 def test_recurrent_model_is_refused_clearly():
-    model = RwkvForCausalLM(RwkvConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32,
-                                       intermediate_size=64)).eval()  # fmt: skip
+    model = RwkvForCausalLM(
+        RwkvConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32, intermediate_size=64)
+    ).eval()
     with pytest.raises(ValueError, match=r"keeps state that cannot be rolled back"):
         hybrid.generate(model, torch.tensor([[1, 2, 3]]), drafter=None, max_new_tokens=5, **GREEDY)
 
@@ -103,7 +104,9 @@ def test_use_cache_false_in_the_config_is_no_request():
     """MPT's config says use_cache=False; hybrid needs its own forwards cached and the output is the same."""
     model = tiny_model("mpt", 96, 2, seed=0)
     assert model.config.use_cache is False
-    check_greedy_lossless(model, torch.tensor([[4, 5, 6, 4, 5]]), PromptLookupDrafter(), max_new_tokens=20, pad_token_id=0)
+    check_greedy_lossless(
+        model, torch.tensor([[4, 5, 6, 4, 5]]), PromptLookupDrafter(), max_new_tokens=20, pad_token_id=0
+    )
     with pytest.raises(ValueError, match=r"use_cache=False"):  # asked for by the caller, it still raises
         hybrid.generate(model, torch.tensor([[4, 5]]), drafter=None, max_new_tokens=5, use_cache=False, **GREEDY)
 
@@ -112,7 +115,9 @@ def test_float_max_new_tokens_as_generate():
     model = tiny_model("llama", 96, 2, seed=0)
     prompt = torch.tensor([[3, 4, 5, 6, 7]])
     expected = model.generate(prompt, max_new_tokens=2.5, **GREEDY)
-    assert torch.equal(hybrid.generate(model, prompt, drafter=ModelDrafter(model), max_new_tokens=2.5, **GREEDY), expected)
+    assert torch.equal(
+        hybrid.generate(model, prompt, drafter=ModelDrafter(model), max_new_tokens=2.5, **GREEDY), expected
+    )
 
 
 def test_training_mode_warns():

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from collections import Counter
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from strategies import ngram_store_for, random_block_drafter, tiny_model
 from transformers import LogitsProcessorList
 
 from drafters import ChainDrafter, PromptLookupDrafter
@@ -18,13 +18,13 @@ from drafters.block_diffusion import verifier_fingerprint
 from drafters.ngram_store import CONFIG_NAME, TABLES_NAME, NgramStore
 from drafters.training.ngram_build import main
 from hybrid.testing import check_greedy_lossless
-from strategies import ngram_store_for, random_block_drafter, tiny_model
 from verifiers.verifier import Verifier
 
 VOCAB = 48
 
-answers = st.lists(st.tuples(st.lists(st.integers(0, 5), min_size=1, max_size=30), st.integers(0, 4)), min_size=1,
-                   max_size=6)  # small alphabet: n-grams repeat, ties happen
+answers = st.lists(
+    st.tuples(st.lists(st.integers(0, 5), min_size=1, max_size=30), st.integers(0, 4)), min_size=1, max_size=6
+)  # small alphabet: n-grams repeat, ties happen
 
 
 def brute_force(answers, max_n):
@@ -69,8 +69,14 @@ def test_a_continuation_chains_the_longest_known_ngram(answers, context, min_n):
 
 
 def test_save_and_load_round_trip(tmp_path):
-    store = NgramStore.build([([1, 2, 3, 1, 2, 4, 1, 2, 3], 1)], vocab_size=VOCAB, max_n=3, min_count=1,
-                             verifier={"vocab_size": VOCAB}, info={"answers": "test"})
+    store = NgramStore.build(
+        [([1, 2, 3, 1, 2, 4, 1, 2, 3], 1)],
+        vocab_size=VOCAB,
+        max_n=3,
+        min_count=1,
+        verifier={"vocab_size": VOCAB},
+        info={"answers": "test"},
+    )
     store.save_pretrained(tmp_path / "s")
     loaded = NgramStore.from_pretrained(tmp_path / "s")
     assert loaded.digest() == store.digest() and loaded.verifier == store.verifier and loaded.info == store.info
@@ -99,18 +105,26 @@ def test_bad_stores_are_refused_with_the_fix(tmp_path):
 
 def test_a_store_of_another_verifier_is_refused():
     verifier, other = tiny_model("llama", VOCAB, 1, seed=0), tiny_model("llama", VOCAB, 1, seed=1)
-    with pytest.raises(ValueError, match="built from another verifier's answers .*python -m drafters.training.ngram_build"):
+    with pytest.raises(
+        ValueError, match="built from another verifier's answers .*python -m drafters.training.ngram_build"
+    ):
         PromptLookupDrafter(ngram_store=ngram_store_for(other, 0, own_answers=False), verifier=verifier)
     wrong_vocab = NgramStore.build([([1, 2, 1, 2], 0)], vocab_size=VOCAB + 16, max_n=2, min_count=1)
     with pytest.raises(ValueError, match="vocab"):
-        check_greedy_lossless(verifier, torch.tensor([[1, 2, 3]]), PromptLookupDrafter(ngram_store=wrong_vocab),
-                              max_new_tokens=4)
+        check_greedy_lossless(
+            verifier, torch.tensor([[1, 2, 3]]), PromptLookupDrafter(ngram_store=wrong_vocab), max_new_tokens=4
+        )
 
 
 def test_the_store_continues_the_context_match_then_the_model_fills_the_block():
     verifier = tiny_model("qwen2", VOCAB, 1, seed=3)
-    store = NgramStore.build([([30, 31, 32, 33, 34, 35, 36], 0)], vocab_size=VOCAB, max_n=2, min_count=1,
-                             verifier=verifier_fingerprint(verifier))
+    store = NgramStore.build(
+        [([30, 31, 32, 33, 34, 35, 36], 0)],
+        vocab_size=VOCAB,
+        max_n=2,
+        min_count=1,
+        verifier=verifier_fingerprint(verifier),
+    )
     ids = torch.tensor([5, 30, 9, 30])  # 30 was followed by 9 here; the store knows 9 -> nothing, 30 -> 31 -> ...
     v = Verifier(verifier, hidden_layers=(1,))
     v.prefill(ids[None, :-1], None, capacity=64)
@@ -124,7 +138,9 @@ def test_the_store_continues_the_context_match_then_the_model_fills_the_block():
     assert lookup.confidence.tolist() == pytest.approx([1 / 2, 1 / 2, 1, 1, 1, 1, 1])  # a 1-token match: 1 / (1 + 1)
     assert with_store.propose(ctx, 7).tokens.tolist() == lookup.tokens.tolist()
     assert context_only.fingerprint != with_store.fingerprint  # schedulers calibrate them apart
-    no_store_hit = random_block_drafter(verifier, seed=0, block_size=8, lookup_ngram=1, ngram_store=store, store_min_n=2)
+    no_store_hit = random_block_drafter(
+        verifier, seed=0, block_size=8, lookup_ngram=1, ngram_store=store, store_min_n=2
+    )
     draft = no_store_hit.propose(ctx, 7)  # [30, 9] and [9, 30] are unknown bigrams: the model fills positions 3..7
     assert draft.tokens[:2].tolist() == [9, 30] and len(draft) == 7
     store_alone = random_block_drafter(verifier, seed=0, block_size=8, ngram_store=store, store_min_n=1)
@@ -139,12 +155,17 @@ def test_drafters_with_a_store_stay_lossless(own_answers):
     prompt = torch.tensor([[3, 7, 11, 3]])
     if own_answers:  # the store holds this very answer: its drafts are accepted
         answer = verifier.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=30, do_sample=False)
-        store = NgramStore.build([(answer[0].tolist(), 4)], VOCAB, max_n=3, min_count=1, verifier=verifier_fingerprint(verifier))
+        store = NgramStore.build(
+            [(answer[0].tolist(), 4)], VOCAB, max_n=3, min_count=1, verifier=verifier_fingerprint(verifier)
+        )
     else:
         store = ngram_store_for(verifier, seed=1, own_answers=False)
-    for drafter in (PromptLookupDrafter(ngram_store=store, store_min_n=1, max_draft_len=6),
-                    random_block_drafter(verifier, seed=2, block_size=5, lookup_ngram=1, lookup_tokens=9,
-                                         ngram_store=store, store_min_n=1)):
+    for drafter in (
+        PromptLookupDrafter(ngram_store=store, store_min_n=1, max_draft_len=6),
+        random_block_drafter(
+            verifier, seed=2, block_size=5, lookup_ngram=1, lookup_tokens=9, ngram_store=store, store_min_n=1
+        ),
+    ):
         report = check_greedy_lossless(verifier, prompt, drafter, max_new_tokens=30)
         assert sum(report.stats.drafted) > 0
         if own_answers:

@@ -9,22 +9,32 @@ import pytest
 import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from strategies import (
+    AdversarialDrafter,
+    drafters_for,
+    ngram_store_for,
+    prompts,
+    random_block_drafter,
+    schedulers_for,
+    tiny_model,
+    verifiers,
+)
 
 import hybrid
 from drafters import ModelDrafter, PromptLookupDrafter
 from hybrid.acceptance import acceptance_probability, residual_distribution, speculative_step
 from hybrid.testing import check_sampled_identical, chi_square_critical, chi_square_statistic, sequence_distribution
 from schedulers import ConfidenceScheduler, CostAwareScheduler, FixedScheduler, HeuristicScheduler
-from strategies import AdversarialDrafter, drafters_for, ngram_store_for, prompts, random_block_drafter, schedulers_for
-from strategies import tiny_model, verifiers
 
 ALPHA = 1e-3  # false-alarm rate of each statistical test, at fixed seeds
 
 
 def distributions(vocab: int, allow_zeros: bool):
     weights = st.floats(0.0 if allow_zeros else 1e-3, 1.0)
-    return st.lists(weights, min_size=vocab, max_size=vocab).filter(lambda w: sum(w) > 1e-3).map(
-        lambda w: torch.tensor(w, dtype=torch.float64) / sum(w)
+    return (
+        st.lists(weights, min_size=vocab, max_size=vocab)
+        .filter(lambda w: sum(w) > 1e-3)
+        .map(lambda w: torch.tensor(w, dtype=torch.float64) / sum(w))
     )
 
 
@@ -79,8 +89,20 @@ def tiny():
     return model, prompt, sequence_distribution(model, prompt, NEW_TOKENS, **WARPERS)
 
 
-@pytest.mark.parametrize("drafter_kind", ["model", "self", "lookup", "adversarial", "block", "block-steps-lookup",
-                                          "block-long-lookup", "block-store", "block-static"])
+@pytest.mark.parametrize(
+    "drafter_kind",
+    [
+        "model",
+        "self",
+        "lookup",
+        "adversarial",
+        "block",
+        "block-steps-lookup",
+        "block-long-lookup",
+        "block-store",
+        "block-static",
+    ],
+)
 def test_generated_sequences_follow_ar_sampling(tiny, drafter_kind):
     """Under the rejection rule, 2,000 sequences of 3 tokens (4-token vocabulary, T=0.7, top-k 3) pass a
     chi-square goodness-of-fit test, at level 1e-3, against the exact distribution of plain AR sampling."""
@@ -92,13 +114,20 @@ def test_generated_sequences_follow_ar_sampling(tiny, drafter_kind):
         "adversarial": lambda: AdversarialDrafter(VOCAB, None, seed=2),
         "block": lambda: random_block_drafter(model, seed=3, draft_vocab_size=3, block_size=4),
         # Several denoising passes fix tokens left to right, and lookup tokens come first: still exact.
-        "block-steps-lookup": lambda: random_block_drafter(model, seed=4, block_size=4, steps=3, threshold=0.3,
-                                                           lookup_ngram=1),
+        "block-steps-lookup": lambda: random_block_drafter(
+            model, seed=4, block_size=4, steps=3, threshold=0.3, lookup_ngram=1
+        ),
         # Lookup matches longer than the block are proposed whole (deterministic tokens past the block).
         "block-long-lookup": lambda: random_block_drafter(model, seed=4, block_size=3, lookup_ngram=1, lookup_tokens=6),
         # The n-gram store (of the model's greedy answers) continues the lookup: more deterministic drafts.
-        "block-store": lambda: random_block_drafter(model, seed=4, block_size=3, lookup_ngram=1, lookup_tokens=5,
-                                                    ngram_store=ngram_store_for(model, seed=0, own_answers=True)),
+        "block-store": lambda: random_block_drafter(
+            model,
+            seed=4,
+            block_size=3,
+            lookup_ngram=1,
+            lookup_tokens=5,
+            ngram_store=ngram_store_for(model, seed=0, own_answers=True),
+        ),
         # The static-shape path: padded verifies, the whole cache read through masks.
         "block-static": lambda: random_block_drafter(model, seed=3, draft_vocab_size=3, block_size=4),
     }[drafter_kind]()
@@ -107,10 +136,18 @@ def test_generated_sequences_follow_ar_sampling(tiny, drafter_kind):
     counts, drafted = Counter(), 0
     for _ in range(SAMPLES):
         out, stats = hybrid.generate(
-            model, prompt, drafter=drafter, do_sample=True, max_new_tokens=NEW_TOKENS,
-            generator=gen, return_stats=True, cache_implementation=static, acceptance="rejection", **WARPERS,
-        )  # fmt: skip
-        counts[tuple(out[0, prompt.shape[1]:].tolist())] += 1
+            model,
+            prompt,
+            drafter=drafter,
+            do_sample=True,
+            max_new_tokens=NEW_TOKENS,
+            generator=gen,
+            return_stats=True,
+            cache_implementation=static,
+            acceptance="rejection",
+            **WARPERS,
+        )
+        counts[tuple(out[0, prompt.shape[1] :].tolist())] += 1
         drafted += sum(stats.drafted)
     assert drafted > 0, "the drafter never drafted: the test would not exercise rejection sampling"
     stat, df = chi_square_statistic(counts, exact)
@@ -124,21 +161,35 @@ def test_sequence_test_has_power(tiny):
     counts = Counter()
     for _ in range(SAMPLES):
         out = model.generate(prompt, do_sample=True, max_new_tokens=NEW_TOKENS, temperature=1.0, top_k=3)
-        counts[tuple(out[0, prompt.shape[1]:].tolist())] += 1
+        counts[tuple(out[0, prompt.shape[1] :].tolist())] += 1
     stat, df = chi_square_statistic(counts, exact)
     assert stat > chi_square_critical(df, ALPHA), (stat, df)
 
 
-@pytest.mark.parametrize("make_scheduler", [lambda: FixedScheduler(3), HeuristicScheduler, ConfidenceScheduler,
-                                            lambda: CostAwareScheduler(costs={1: 1.0, 17: 2.0})])
+@pytest.mark.parametrize(
+    "make_scheduler",
+    [
+        lambda: FixedScheduler(3),
+        HeuristicScheduler,
+        ConfidenceScheduler,
+        lambda: CostAwareScheduler(costs={1: 1.0, 17: 2.0}),
+    ],
+)
 def test_generator_makes_sampling_reproducible(tiny, make_scheduler):
     """Same generator seed: same sample, whatever the scheduler chose (the verifier's draws are all there is)."""
     model, prompt, _ = tiny
     runs = [
-        hybrid.generate(model, prompt, drafter=ModelDrafter(model), scheduler=make_scheduler(), do_sample=True,
-                        max_new_tokens=20, generator=torch.Generator().manual_seed(7))
+        hybrid.generate(
+            model,
+            prompt,
+            drafter=ModelDrafter(model),
+            scheduler=make_scheduler(),
+            do_sample=True,
+            max_new_tokens=20,
+            generator=torch.Generator().manual_seed(7),
+        )
         for _ in range(2)
-    ]  # fmt: skip
+    ]
     assert torch.equal(runs[0], runs[1])
 
 
@@ -152,15 +203,27 @@ def test_batched_rows_follow_ar_sampling(tiny, drafter_kind):
     exact_other = sequence_distribution(model, other, NEW_TOKENS, **WARPERS)
     batch = torch.tensor([[0, 1, 2], [3, 0, 1]])
     mask = torch.tensor([[0, 1, 1], [1, 1, 1]])
-    drafter = (AdversarialDrafter(VOCAB, None, seed=2) if drafter_kind == "adversarial"
-               else random_block_drafter(model, seed=3, draft_vocab_size=3, block_size=4))  # fmt: skip
+    drafter = (
+        AdversarialDrafter(VOCAB, None, seed=2)
+        if drafter_kind == "adversarial"
+        else random_block_drafter(model, seed=3, draft_vocab_size=3, block_size=4)
+    )
     gen = torch.Generator().manual_seed(99)
     counts, drafted = [Counter(), Counter()], 0
     for _ in range(SAMPLES):
-        out, stats = hybrid.generate(model, batch, attention_mask=mask, drafter=drafter, do_sample=True,
-                                     max_new_tokens=NEW_TOKENS, generator=gen, return_stats=True, **WARPERS)  # fmt: skip
+        out, stats = hybrid.generate(
+            model,
+            batch,
+            attention_mask=mask,
+            drafter=drafter,
+            do_sample=True,
+            max_new_tokens=NEW_TOKENS,
+            generator=gen,
+            return_stats=True,
+            **WARPERS,
+        )
         for r in range(2):
-            counts[r][tuple(out[r, batch.shape[1]:].tolist())] += 1
+            counts[r][tuple(out[r, batch.shape[1] :].tolist())] += 1
         drafted += sum(stats.drafted)
     assert drafted > 0
     for row_counts, row_exact in zip(counts, (exact, exact_other)):
@@ -178,9 +241,18 @@ def test_sampled_output_equals_model_generate_with_the_same_seed(data):
     input_ids = data.draw(prompts(vocab), label="prompt")
     drafter = data.draw(drafters_for(model, None), label="drafter")
     scheduler = data.draw(schedulers_for(drafter), label="scheduler")
-    warpers = data.draw(st.sampled_from([{}, {"top_k": 5}, {"top_p": 0.9}, {"top_k": 8, "top_p": 0.8}]), label="warpers")
-    kwargs = {"max_new_tokens": data.draw(st.integers(1, 30), label="max_new_tokens"),
-              "temperature": data.draw(st.sampled_from([0.7, 1.0]), label="temperature"), **warpers}  # fmt: skip
-    if check_sampled_identical(model, input_ids, drafter, data.draw(st.integers(0, 2**31), label="seed"), scheduler,
-                               **kwargs) is not None:  # fmt: skip
+    warpers = data.draw(
+        st.sampled_from([{}, {"top_k": 5}, {"top_p": 0.9}, {"top_k": 8, "top_p": 0.8}]), label="warpers"
+    )
+    kwargs = {
+        "max_new_tokens": data.draw(st.integers(1, 30), label="max_new_tokens"),
+        "temperature": data.draw(st.sampled_from([0.7, 1.0]), label="temperature"),
+        **warpers,
+    }
+    if (
+        check_sampled_identical(
+            model, input_ids, drafter, data.draw(st.integers(0, 2**31), label="seed"), scheduler, **kwargs
+        )
+        is not None
+    ):
         event("boundary-draw exception used")

@@ -6,13 +6,13 @@ import json
 
 import pytest
 import torch
+from strategies import tiny_model
 
 import hybrid
 from drafters import Draft, PromptLookupDrafter
 from schedulers import AcceptanceModel, ConfidenceScheduler, CostAwareScheduler, FixedScheduler, VerifyCostModel
 from schedulers.adaptive import expected_accepted, pair_fingerprint
 from schedulers.cost_model import measure_verify_costs
-from strategies import tiny_model
 from verifiers.verifier import static_width
 
 
@@ -66,8 +66,14 @@ def test_cost_aware_charges_the_padded_width_on_the_static_path():
     model = tiny_model("llama", 48, 2, seed=0)
     scheduler = CostAwareScheduler(costs={1: 1.0, 17: 5.0})
     scheduler.set_verify_width = widths.append  # what the engine tells it
-    hybrid.generate(model, torch.tensor([[1, 2, 3]]), drafter=PromptLookupDrafter(max_draft_len=8), scheduler=scheduler,
-                    max_new_tokens=2, cache_implementation="static")  # fmt: skip
+    hybrid.generate(
+        model,
+        torch.tensor([[1, 2, 3]]),
+        drafter=PromptLookupDrafter(max_draft_len=8),
+        scheduler=scheduler,
+        max_new_tokens=2,
+        cache_implementation="static",
+    )
     assert [widths[0](m) for m in range(1, 10)] == [1, 2, 4, 4, 8, 8, 8, 8, 9]
 
 

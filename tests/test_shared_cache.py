@@ -6,15 +6,14 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from strategies import padded_batches, tiny_model, verifiers
 from transformers import DynamicCache
 
 import hybrid
 import verifiers.cache as cache_module
 from drafters import PromptLookupDrafter
-from verifiers.cache import CacheMemoryError, SharedCache
-from strategies import padded_batches, tiny_model, verifiers
-from verifiers.cache import row_mask_problem
 from verifiers import Verifier
+from verifiers.cache import CacheMemoryError, SharedCache, row_mask_problem
 
 PROPERTY = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -28,8 +27,10 @@ def test_rollback_leaves_every_row_equal_to_a_fresh_prefill(data):
     vocab = model.config.vocab_size
     token = st.integers(0, vocab - 1)
     per_row_masks = row_mask_problem(model) is None  # else one row per forward, and no static layout
-    rows = [torch.tensor(data.draw(st.lists(token, min_size=1, max_size=8), label="prompt"))
-            for _ in range(data.draw(st.integers(1, 3 if per_row_masks else 1), label="rows"))]  # fmt: skip
+    rows = [
+        torch.tensor(data.draw(st.lists(token, min_size=1, max_size=8), label="prompt"))
+        for _ in range(data.draw(st.integers(1, 3 if per_row_masks else 1), label="rows"))
+    ]
     # static: every slot read through the mask, verifies padded
     static = per_row_masks and data.draw(st.booleans(), label="static")
     verifier = Verifier(model, hidden_layers=(0, -1), static=static, max_width=5)
@@ -103,9 +104,17 @@ def test_finished_rows_stop_costing_work(data):
 
     hook = model.register_forward_pre_hook(count, with_kwargs=True)
     try:
-        _, stats = hybrid.generate(model, input_ids, attention_mask=mask, drafter=PromptLookupDrafter(),
-                                   max_new_tokens=data.draw(st.integers(1, 16)), eos_token_id=eos, pad_token_id=0,
-                                   do_sample=False, return_stats=True)  # fmt: skip
+        _, stats = hybrid.generate(
+            model,
+            input_ids,
+            attention_mask=mask,
+            drafter=PromptLookupDrafter(),
+            max_new_tokens=data.draw(st.integers(1, 16)),
+            eos_token_id=eos,
+            pad_token_id=0,
+            do_sample=False,
+            return_stats=True,
+        )
     finally:
         hook.remove()
     assert fed_rows[0] == len(rows), "one prefill for the whole batch"
@@ -119,7 +128,9 @@ def test_without_per_row_masks_rows_run_one_at_a_time(monkeypatch):
     model = tiny_model("llama", 48, 2, seed=3)
     input_ids = torch.tensor([[0, 0, 5, 6, 7], [1, 2, 3, 4, 5]])
     mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
-    kwargs = dict(attention_mask=mask, drafter=PromptLookupDrafter(), max_new_tokens=12, do_sample=False, pad_token_id=0)
+    kwargs = dict(
+        attention_mask=mask, drafter=PromptLookupDrafter(), max_new_tokens=12, do_sample=False, pad_token_id=0
+    )
     batched = hybrid.generate(model, input_ids, **kwargs)
     monkeypatch.setattr(cache_module, "MASKED_ATTENTION", ())
     assert not Verifier(model).batches
@@ -133,7 +144,9 @@ def test_batch_that_does_not_fit_names_the_batch_that_does(monkeypatch):
     prompts = torch.randint(1, 48, (5, 5))
     with pytest.raises(CacheMemoryError, match=r"batch of 5 rows.*pass at most 3 rows per call"):
         hybrid.generate(model, prompts, drafter=PromptLookupDrafter(), max_new_tokens=20, do_sample=False)
-    assert hybrid.generate(model, prompts[:3], drafter=PromptLookupDrafter(), max_new_tokens=20, do_sample=False).shape == (3, 25)
+    assert hybrid.generate(
+        model, prompts[:3], drafter=PromptLookupDrafter(), max_new_tokens=20, do_sample=False
+    ).shape == (3, 25)
     monkeypatch.setattr(cache_module, "free_memory_bytes", lambda device: per_row // 2)
     with pytest.raises(CacheMemoryError, match=r"even one row does not fit; lower max_new_tokens"):
         hybrid.generate(model, prompts[:1], drafter=PromptLookupDrafter(), max_new_tokens=20, do_sample=False)
@@ -144,17 +157,23 @@ def test_cache_from_another_model_is_refused():
     foreign = DynamicCache()
     with torch.inference_mode():
         tiny_model("llama", 48, 1, seed=1)(torch.tensor([[1, 2, 3]]), cache=foreign, use_cache=True)
-    with pytest.raises(ValueError, match=r"past_key_values was built for another model \(it has 1 layers, LlamaForCausalLM has 2\)"):
+    with pytest.raises(
+        ValueError, match=r"past_key_values was built for another model \(it has 1 layers, LlamaForCausalLM has 2\)"
+    ):
         hybrid.generate(model, torch.tensor([[1, 2, 3, 4]]), drafter=None, past_key_values=foreign, max_new_tokens=2)
     wide = DynamicCache()
     wide.update(torch.zeros(1, 4, 3, 16), torch.zeros(1, 4, 3, 16), 0)
     wide.update(torch.zeros(1, 4, 3, 16), torch.zeros(1, 4, 3, 16), 1)
-    with pytest.raises(ValueError, match=r"cache was built for another model \(its layer 0 holds 4 key/value heads of size 16"):
+    with pytest.raises(
+        ValueError, match=r"cache was built for another model \(its layer 0 holds 4 key/value heads of size 16"
+    ):
         hybrid.generate(model, torch.tensor([[1, 2, 3, 4]]), drafter=None, cache=wide, max_new_tokens=2)
     own = DynamicCache()
     with torch.inference_mode():
         model(torch.tensor([[1, 2, 3]]), cache=own, use_cache=True)
-    with pytest.raises(ValueError, match=r"does not continue from a past_key_values.*pass the whole sequence as input_ids"):
+    with pytest.raises(
+        ValueError, match=r"does not continue from a past_key_values.*pass the whole sequence as input_ids"
+    ):
         hybrid.generate(model, torch.tensor([[1, 2, 3, 4]]), drafter=None, past_key_values=own, max_new_tokens=2)
 
 
@@ -162,19 +181,26 @@ def test_verifier_dispatched_with_a_device_map(tmp_path):
     """A verifier loaded with a device_map runs through accelerate's hooks (here one layer offloaded to disk and
     loaded at each forward: what a CPU can show of device_map="auto"); hybrid's output is still generate's,
     with a drafter that reads the verifier's hidden states, on the dynamic and the static path."""
+    from strategies import random_block_drafter
     from transformers import AutoModelForCausalLM
 
-    from strategies import random_block_drafter
-
     tiny_model("llama", 64, 3, seed=3).save_pretrained(tmp_path)
-    device_map = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk",
-                  "model.layers.2": "cpu", "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}  # fmt: skip
+    device_map = {
+        "model.embed_tokens": "cpu",
+        "model.layers.0": "cpu",
+        "model.layers.1": "disk",
+        "model.layers.2": "cpu",
+        "model.norm": "cpu",
+        "model.rotary_emb": "cpu",
+        "lm_head": "cpu",
+    }
     model = AutoModelForCausalLM.from_pretrained(tmp_path, device_map=device_map, offload_folder=tmp_path / "offload")
     assert hasattr(model.model.layers[1], "_hf_hook"), "accelerate dispatched the model"
     input_ids = torch.tensor([[5, 9, 5, 9, 17, 3, 5, 9]])
     expected = model.generate(input_ids, max_new_tokens=30, do_sample=False)
     for drafter in (PromptLookupDrafter(), random_block_drafter(model, seed=1)):
         for static in (None, "static"):
-            out = hybrid.generate(model, input_ids, drafter=drafter, max_new_tokens=30, do_sample=False,
-                                  cache_implementation=static)  # fmt: skip
+            out = hybrid.generate(
+                model, input_ids, drafter=drafter, max_new_tokens=30, do_sample=False, cache_implementation=static
+            )
             assert torch.equal(out, expected), (type(drafter).__name__, static)

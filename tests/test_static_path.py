@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from strategies import random_block_drafter, tiny_model
 from transformers import CompileConfig
 
 import hybrid
 import verifiers.cache as cache_module
 from drafters import PromptLookupDrafter
 from schedulers import FixedScheduler
-from strategies import random_block_drafter, tiny_model
 from verifiers.cache import SharedCache
 from verifiers.verifier import static_width
 
@@ -35,8 +35,14 @@ def test_static_path_has_few_shapes_and_fixed_buffers():
 
     hook = model.register_forward_pre_hook(record, with_kwargs=True)
     try:
-        out = hybrid.generate(model, input_ids, drafter=PromptLookupDrafter(max_draft_len=8), max_new_tokens=60,
-                              do_sample=False, cache_implementation="static")  # fmt: skip
+        out = hybrid.generate(
+            model,
+            input_ids,
+            drafter=PromptLookupDrafter(max_draft_len=8),
+            max_new_tokens=60,
+            do_sample=False,
+            cache_implementation="static",
+        )
     finally:
         hook.remove()
     assert torch.equal(out, model.generate(input_ids, max_new_tokens=60, do_sample=False))
@@ -67,9 +73,16 @@ def test_block_drafter_drafts_the_same_on_the_static_path():
     for static in (None, "static"):
         drafter = random_block_drafter(model, seed=1, block_size=6, steps=2, threshold=0.0)
         drafts, propose = [], drafter.propose
-        drafter.propose = lambda ctx, n: drafts.append(propose(ctx, n)) or drafts[-1]
-        hybrid.generate(model, input_ids, drafter=drafter, scheduler=FixedScheduler(5), max_new_tokens=40,
-                        do_sample=False, cache_implementation=static)  # fmt: skip
+        drafter.propose = lambda ctx, n, drafts=drafts, propose=propose: drafts.append(propose(ctx, n)) or drafts[-1]
+        hybrid.generate(
+            model,
+            input_ids,
+            drafter=drafter,
+            scheduler=FixedScheduler(5),
+            max_new_tokens=40,
+            do_sample=False,
+            cache_implementation=static,
+        )
         runs.append(drafts)
     dynamic, static = runs
     assert [d.tokens.tolist() for d in dynamic] == [d.tokens.tolist() for d in static]
@@ -91,8 +104,15 @@ def test_compiled_static_path_matches_generate_and_never_retraces():
     expected = model.generate(input_ids, max_new_tokens=40, do_sample=False)
     drafter = random_block_drafter(model, seed=2, block_size=6)
     for _ in range(2):
-        out = hybrid.generate(model, input_ids, drafter=drafter, max_new_tokens=40, do_sample=False,
-                              cache_implementation="static", compile_config=config)  # fmt: skip
+        out = hybrid.generate(
+            model,
+            input_ids,
+            drafter=drafter,
+            max_new_tokens=40,
+            do_sample=False,
+            cache_implementation="static",
+            compile_config=config,
+        )
         assert torch.equal(out, expected)
         graphs = counters["stats"]["unique_graphs"]
         if _ == 0:
@@ -106,6 +126,13 @@ def test_compile_config_on_cpu_warns_and_runs_eagerly():
     model = tiny_model("llama", 48, 2, seed=3)
     input_ids = torch.tensor([[1, 2, 3]])
     with pytest.warns(UserWarning, match=r"compile_config is not used on cpu.*_compile_all_devices"):
-        out = hybrid.generate(model, input_ids, drafter=None, max_new_tokens=5, do_sample=False,
-                              cache_implementation="static", compile_config=CompileConfig())  # fmt: skip
+        out = hybrid.generate(
+            model,
+            input_ids,
+            drafter=None,
+            max_new_tokens=5,
+            do_sample=False,
+            cache_implementation="static",
+            compile_config=CompileConfig(),
+        )
     assert torch.equal(out, model.generate(input_ids, max_new_tokens=5, do_sample=False))

@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from strategies import prompts, schedulers_for, verifiers
 
 import hybrid
 from drafters import Draft, DraftContext, Drafter, PromptLookupDrafter
 from drafters.prompt_lookup import lookup_continuation
-from strategies import prompts, schedulers_for, verifiers
 
 
 class SpyDrafter(Drafter):
@@ -34,8 +34,14 @@ def test_drafter_sees_exactly_the_states_of_the_committed_prefix(data):
     model = data.draw(verifiers(), label="verifier")
     input_ids = data.draw(prompts(model.config.vocab_size), label="prompt")
     drafter = SpyDrafter()
-    hybrid.generate(model, input_ids, drafter=drafter, scheduler=data.draw(schedulers_for(drafter)),
-                    max_new_tokens=data.draw(st.integers(3, 24)), do_sample=False)  # fmt: skip
+    hybrid.generate(
+        model,
+        input_ids,
+        drafter=drafter,
+        scheduler=data.draw(schedulers_for(drafter)),
+        max_new_tokens=data.draw(st.integers(3, 24)),
+        do_sample=False,
+    )
     assert drafter.seen
     for committed, states in drafter.seen:
         prefix = committed[:, :-1]

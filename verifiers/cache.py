@@ -49,7 +49,9 @@ class _RowLayer(CacheLayerMixin):
         self.device = key_states.device  # with device_map="auto", the device of this layer
         capacity = self.owner.capacity
         self.keys = self.owner.allocate((rows, heads, capacity, key_states.shape[-1]), key_states.dtype, self.device)
-        self.values = self.owner.allocate((rows, heads, capacity, value_states.shape[-1]), value_states.dtype, self.device)
+        self.values = self.owner.allocate(
+            (rows, heads, capacity, value_states.shape[-1]), value_states.dtype, self.device
+        )
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -114,8 +116,10 @@ class SharedCache(Cache):
         except (torch.OutOfMemoryError, RuntimeError) as error:
             if isinstance(error, RuntimeError) and "alloc" not in str(error).lower():
                 raise
-            raise CacheMemoryError(f"allocating the cache ({shape_bytes(shape, dtype) / 2**20:.0f} MiB for "
-                                   f"{shape[0]} rows) failed: {error}. Pass fewer rows per call") from error  # fmt: skip
+            raise CacheMemoryError(
+                f"allocating the cache ({shape_bytes(shape, dtype) / 2**20:.0f} MiB for "
+                f"{shape[0]} rows) failed: {error}. Pass fewer rows per call"
+            ) from error
         if self.static:  # written in place by a compiled forward: CUDA graphs need a fixed address
             torch._dynamo.mark_static_address(buffer)
         return buffer
@@ -132,7 +136,9 @@ class SharedCache(Cache):
         """Make room for `slots` per row (geometric growth, so a long generation copies O(log n) times)."""
         if slots > self.capacity:
             if self.static:
-                raise RuntimeError(f"a static cache of {self.capacity} slots cannot hold {slots}: size it for the whole call")
+                raise RuntimeError(
+                    f"a static cache of {self.capacity} slots cannot hold {slots}: size it for the whole call"
+                )
             self.capacity = max(slots, 2 * self.capacity)
             for layer in self.layers:  # layers not yet initialised are allocated at the new capacity
                 if layer.is_initialized:
@@ -181,7 +187,8 @@ class SharedCache(Cache):
         for kind in set(self.layer_types):
             seen = visible & (keys > queries - self.window) if kind == "sliding_attention" else visible
             masks[kind] = torch.zeros(seen.shape, dtype=self.dtype, device=self.device).masked_fill(
-                ~seen, torch.finfo(self.dtype).min)[:, None]  # fmt: skip
+                ~seen, torch.finfo(self.dtype).min
+            )[:, None]
         return next(iter(masks.values())) if len(masks) == 1 else masks
 
     def commit(self, q: int, hidden: torch.Tensor | None = None) -> None:
@@ -201,8 +208,9 @@ class SharedCache(Cache):
             raise ValueError(f"cannot roll back {drop} tokens of rows holding {self.lengths}")
         self.lengths = [n - d for n, d in zip(self.lengths, drop)]
         # Side state of tokens that were just dropped is stale (a drafter recomputes it on its next draft).
-        self.side_lengths = {name: [min(m, n) for m, n in zip(valid, self.lengths)]
-                             for name, valid in self.side_lengths.items()}
+        self.side_lengths = {
+            name: [min(m, n) for m, n in zip(valid, self.lengths)] for name, valid in self.side_lengths.items()
+        }
 
     def select_rows(self, rows: list[int]) -> None:
         """Keep only `rows` (in this order), e.g. drop finished ones so they stop costing work."""
@@ -238,8 +246,10 @@ class SharedCache(Cache):
             self.side_lengths[name] = [0] * len(self.lengths)
         buffer = self.side[name]
         if tuple(buffer.shape[2:]) != tuple(per_token) or buffer.dtype != dtype:
-            raise ValueError(f"side buffer {name!r} holds {tuple(buffer.shape[2:])} {buffer.dtype} per token, "
-                             f"not {tuple(per_token)} {dtype}")  # fmt: skip
+            raise ValueError(
+                f"side buffer {name!r} holds {tuple(buffer.shape[2:])} {buffer.dtype} per token, "
+                f"not {tuple(per_token)} {dtype}"
+            )
         return buffer
 
     def side_length(self, name: str, row: int) -> int:
@@ -300,9 +310,16 @@ def row_mask_problem(model) -> str | None:
         return "its ALiBi position bias is built from a 2-D padding mask, which cannot say where each row's queries sit"
     for name, module in model.named_modules():
         bias = getattr(module, "bias", None)
-        if isinstance(bias, torch.Tensor) and not isinstance(bias, nn.Parameter) and bias.dtype == torch.bool and bias.dim() == 4:
-            return (f"its attention ({name}) applies a causal/local mask of its own, indexed from the last cached slot, "
-                    "which is wrong for rows that end elsewhere")  # fmt: skip
+        if (
+            isinstance(bias, torch.Tensor)
+            and not isinstance(bias, nn.Parameter)
+            and bias.dtype == torch.bool
+            and bias.dim() == 4
+        ):
+            return (
+                f"its attention ({name}) applies a causal/local mask of its own, indexed from the last cached slot, "
+                "which is wrong for rows that end elsewhere"
+            )
     return None
 
 
@@ -325,7 +342,12 @@ def cache_fingerprint(model) -> dict:
     text = model.config.get_text_config()
     heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    return {"architecture": type(model).__name__, "layers": text.num_hidden_layers, "kv_heads": heads, "head_dim": head_dim}
+    return {
+        "architecture": type(model).__name__,
+        "layers": text.num_hidden_layers,
+        "kv_heads": heads,
+        "head_dim": head_dim,
+    }
 
 
 def shape_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
@@ -381,6 +403,8 @@ def foreign_cache_reason(model, cache) -> str | None:
         keys = getattr(layer, "keys", None)
         if isinstance(keys, torch.Tensor) and keys.dim() == 4 and keys.numel():
             if (keys.shape[1], keys.shape[-1]) != (want["kv_heads"], want["head_dim"]):
-                return (f"its layer {i} holds {keys.shape[1]} key/value heads of size {keys.shape[-1]}, "
-                        f"{want['architecture']} has {want['kv_heads']} of size {want['head_dim']}")  # fmt: skip
+                return (
+                    f"its layer {i} holds {keys.shape[1]} key/value heads of size {keys.shape[-1]}, "
+                    f"{want['architecture']} has {want['kv_heads']} of size {want['head_dim']}"
+                )
     return None

@@ -49,8 +49,15 @@ class Verifier:
             the prompt's, so compiling it would re-trace per prompt.
     """
 
-    def __init__(self, model, hidden_layers: tuple[int, ...] = (), role: str = "verifier", static: bool = False,
-                 max_width: int = 1, compile_config=None):
+    def __init__(
+        self,
+        model,
+        hidden_layers: tuple[int, ...] = (),
+        role: str = "verifier",
+        static: bool = False,
+        max_width: int = 1,
+        compile_config=None,
+    ):
         check_causal_lm(model, role)
         text = model.config.get_text_config()
         num_states = text.num_hidden_layers + 1
@@ -75,9 +82,11 @@ class Verifier:
         # front and a real token's position is never clamped here.
         self.max_positions = learned_position_limit(model)
         if static and self.row_mask_problem:
-            raise ValueError(f"cache_implementation='static' reads the cache through hybrid's own per-row masks, and "
-                             f"{type(model).__name__} cannot take them: {self.row_mask_problem}. Drop cache_implementation "
-                             "(the dynamic path serves this model)")  # fmt: skip
+            raise ValueError(
+                f"cache_implementation='static' reads the cache through hybrid's own per-row masks, and "
+                f"{type(model).__name__} cannot take them: {self.row_mask_problem}. Drop cache_implementation "
+                "(the dynamic path serves this model)"
+            )
         self.static = static
         self.max_width = max_width
         self.compile_config = compile_config
@@ -107,8 +116,9 @@ class Verifier:
         `capacity` bounds a row's length (prompt + new tokens + draft) so buffers are allocated once.
         """
         if len(rows) > 1 and not self.batches:
-            raise ValueError(f"{type(self.model).__name__} takes no per-row masks ({self.row_mask_problem}): verify one "
-                             "row per call")  # fmt: skip
+            raise ValueError(
+                f"{type(self.model).__name__} takes no per-row masks ({self.row_mask_problem}): verify one row per call"
+            )
         if self.static:  # calls of similar length share a capacity, hence their compiled graphs
             capacity = -(-capacity // STATIC_CAPACITY_STEP) * STATIC_CAPACITY_STEP
         self.cache = SharedCache(self.model, len(rows), capacity, self.hidden_width, static=self.static)
@@ -199,8 +209,10 @@ class Verifier:
         if self.max_positions is not None:
             last = max(n + r - 1 for n, r in zip(self.cache.lengths, real))
             if last >= self.max_positions:
-                raise ValueError(f"position {last} is past the {self.max_positions} positions "
-                                 f"{type(self.model).__name__} embeds: shorten the prompt or max_new_tokens")  # fmt: skip
+                raise ValueError(
+                    f"position {last} is past the {self.max_positions} positions "
+                    f"{type(self.model).__name__} embeds: shorten the prompt or max_new_tokens"
+                )
             # Padding may reach past the table; its outputs are never read, so any position in range serves.
             position_ids = position_ids.clamp(max=self.max_positions - 1)
         # Aligned rows (always at batch 1 on the dynamic path): the model's own causal mask is right, as the

@@ -102,8 +102,19 @@ def block_batch(store, seq_ids, rng, anchors_per_seq, block_size, vmap, reveal_p
         # Only valid positions are revealed: their tokens are the exact greedy chain the rest must continue.
         known[..., 1:] = chosen
     weights_mask = valid & ~known[..., 1:]
-    return dict(hidden=hidden, ids=ids, anchors=anchor_pos, tokens=tokens, known=known, targets=targets, valid=valid,
-                soft_ids=soft_ids, soft_probs=soft_probs, loss_mask=weights_mask, full_targets=tokens[..., 1:])
+    return dict(
+        hidden=hidden,
+        ids=ids,
+        anchors=anchor_pos,
+        tokens=tokens,
+        known=known,
+        targets=targets,
+        valid=valid,
+        soft_ids=soft_ids,
+        soft_probs=soft_probs,
+        loss_mask=weights_mask,
+        full_targets=tokens[..., 1:],
+    )
 
 
 def ar_batch(store, seq_ids, vmap):
@@ -124,8 +135,15 @@ def ar_batch(store, seq_ids, vmap):
         greedy[row, :n] = torch.from_numpy(s["greedy"].astype(np.int64))
         soft_ids[row, :n] = vmap(s["top_ids"])
         soft_probs[row, :n] = torch.from_numpy(np.asarray(s["top_probs"], dtype=np.float32))
-    return dict(ids=ids, mask=mask, loss_mask=loss_mask, full_targets=greedy, targets=vmap(greedy.clamp(min=0)),
-                soft_ids=soft_ids, soft_probs=soft_probs)
+    return dict(
+        ids=ids,
+        mask=mask,
+        loss_mask=loss_mask,
+        full_targets=greedy,
+        targets=vmap(greedy.clamp(min=0)),
+        soft_ids=soft_ids,
+        soft_probs=soft_probs,
+    )
 
 
 def to_device(batch: dict, device) -> dict:

@@ -37,8 +37,16 @@ def _user_turn(tokenizer, user: str) -> list[int]:
     return encode_prompt(tokenizer, user)[0].tolist()
 
 
-def synthetic_user_turns(model, tokenizer, count: int, out_file: Path, batch_size: int = 256, max_new_tokens: int = 64,
-                         seed: int = 0, log=print) -> list[str]:
+def synthetic_user_turns(
+    model,
+    tokenizer,
+    count: int,
+    out_file: Path,
+    batch_size: int = 256,
+    max_new_tokens: int = 64,
+    seed: int = 0,
+    log=print,
+) -> list[str]:
     """`count` user turns sampled from the verifier itself (temperature 1 after its chat template's user header),
     cached in `out_file`: more varied prompts than templates give, in the verifier's own idea of a request."""
     if out_file.exists():
@@ -46,15 +54,27 @@ def synthetic_user_turns(model, tokenizer, count: int, out_file: Path, batch_siz
     marker = "\x00"
     rendered = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False)
     header = tokenizer(rendered[: rendered.index(marker)], add_special_tokens=False, return_tensors="pt")["input_ids"]
-    stop = tokenizer.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tokenizer.get_vocab() else tokenizer.eos_token_id
+    stop = (
+        tokenizer.convert_tokens_to_ids("<|im_end|>")
+        if "<|im_end|>" in tokenizer.get_vocab()
+        else tokenizer.eos_token_id
+    )
     pad = _pad_id(tokenizer)
     torch.manual_seed(seed)
     turns, seen, start = [], set(), time.time()
     while len(turns) < count:
         ids = header.expand(min(batch_size, count), -1).to(model.device)
         with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                 do_sample=True, temperature=1.0, top_p=0.95, eos_token_id=stop, pad_token_id=pad)
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=True,
+                temperature=1.0,
+                top_p=0.95,
+                eos_token_id=stop,
+                pad_token_id=pad,
+            )
         for row in out[:, header.shape[1] :].tolist():
             if stop not in row:  # cut off mid-request: not a whole user turn
                 continue
@@ -71,12 +91,23 @@ def synthetic_user_turns(model, tokenizer, count: int, out_file: Path, batch_siz
 
 def interleave(a: list, b: list) -> list:
     """a and b merged evenly, so any prefix of the result holds both in proportion (a cut-short run stays mixed)."""
-    keyed = [((i + 0.5) / len(a), 0, x) for i, x in enumerate(a)] + [((i + 0.5) / len(b), 1, x) for i, x in enumerate(b)]
+    keyed = [((i + 0.5) / len(a), 0, x) for i, x in enumerate(a)] + [
+        ((i + 0.5) / len(b), 1, x) for i, x in enumerate(b)
+    ]
     return [x for *_, x in sorted(keyed, key=lambda t: t[:2])]
 
 
-def generate_shards(model, tokenizer, prompts: list[str], out_dir: Path, minutes: float, batch_size: int = 64,
-                    max_new_tokens: int = 256, max_shards: int | None = None, log=print) -> None:
+def generate_shards(
+    model,
+    tokenizer,
+    prompts: list[str],
+    out_dir: Path,
+    minutes: float,
+    batch_size: int = 64,
+    max_new_tokens: int = 256,
+    max_shards: int | None = None,
+    log=print,
+) -> None:
     """Greedy answers to `prompts`, `batch_size` per shard: the first `max_shards` shards, or as many as
     `minutes` of work allow."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -97,8 +128,13 @@ def generate_shards(model, tokenizer, prompts: list[str], out_dir: Path, minutes
         mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in encoded])
         t0 = time.time()
         with torch.inference_mode():
-            out = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
-                                 max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
+            out = model.generate(
+                input_ids=ids.to(model.device),
+                attention_mask=mask.to(model.device),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=pad,
+            )
         rows = []
         for prompt, new in zip(encoded, out[:, width:].tolist()):
             end = next((i + 1 for i, t in enumerate(new) if t in eos), len(new))
@@ -108,11 +144,15 @@ def generate_shards(model, tokenizer, prompts: list[str], out_dir: Path, minutes
         tmp.rename(path)
         tokens = sum(len(r["ids"]) - r["prompt_len"] for r in rows)
         made += tokens
-        log(f"generate: shard {index + 1}/{len(batches)}: {tokens} tokens in {time.time() - t0:.0f}s "
-            f"({tokens / (time.time() - t0):.0f} tok/s), {made} this run, {time.time() - start:.0f}s elapsed")
+        log(
+            f"generate: shard {index + 1}/{len(batches)}: {tokens} tokens in {time.time() - t0:.0f}s "
+            f"({tokens / (time.time() - t0):.0f} tok/s), {made} this run, {time.time() - start:.0f}s elapsed"
+        )
 
 
-def load_sequences(gen_dir: Path, tokenizer, doc_tokens: int, max_len: int = 640, max_shards: int | None = None) -> list[dict]:
+def load_sequences(
+    gen_dir: Path, tokenizer, doc_tokens: int, max_len: int = 640, max_shards: int | None = None
+) -> list[dict]:
     """Generated sequences (of the first `max_shards` shards), then local documents (about `doc_tokens`
     tokens of them), each cut to `max_len`."""
     sequences = []
@@ -155,12 +195,25 @@ class FeatureStore:
 
     def sequence(self, i: int) -> dict:
         a, b = self.offsets[i], self.offsets[i + 1]
-        return {"ids": self.ids[a:b], "greedy": self.greedy[a:b], "top_ids": self.top_ids[a:b],
-                "top_probs": self.top_probs[a:b], "hidden": self.hidden[a:b], "prompt_len": int(self.prompt_lens[i])}
+        return {
+            "ids": self.ids[a:b],
+            "greedy": self.greedy[a:b],
+            "top_ids": self.top_ids[a:b],
+            "top_probs": self.top_probs[a:b],
+            "hidden": self.hidden[a:b],
+            "prompt_len": int(self.prompt_lens[i]),
+        }
 
 
-def build_features(model, sequences: list[dict], root: Path, layers: tuple[int, ...], top_k: int = 8,
-                   batch_tokens: int = 4096, log=print) -> FeatureStore:
+def build_features(
+    model,
+    sequences: list[dict],
+    root: Path,
+    layers: tuple[int, ...],
+    top_k: int = 8,
+    batch_tokens: int = 4096,
+    log=print,
+) -> FeatureStore:
     """Teacher-forced verifier features for `sequences`; written once, then reused (delete `root` to rebuild)."""
     if (root / "meta.json").exists():
         return FeatureStore(root)
@@ -203,8 +256,14 @@ def build_features(model, sequences: list[dict], root: Path, layers: tuple[int, 
         log(f"features: {done}/{n} tokens, {done / (time.time() - start):.0f} tok/s")
     for array in (ids, greedy, top_ids, top_probs, hidden):
         array.flush()
-    meta = {"layers": list(layers), "top_k": top_k, "hidden_size": hidden_size, "offsets": offsets.tolist(),
-            "prompt_lens": [s["prompt_len"] for s in sequences], "sources": [s["source"] for s in sequences]}
+    meta = {
+        "layers": list(layers),
+        "top_k": top_k,
+        "hidden_size": hidden_size,
+        "offsets": offsets.tolist(),
+        "prompt_lens": [s["prompt_len"] for s in sequences],
+        "sources": [s["source"] for s in sequences],
+    }
     (root / "meta.json").write_text(json.dumps(meta))
     return FeatureStore(root)
 

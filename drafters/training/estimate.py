@@ -48,8 +48,20 @@ def greedy_block_drafts(model, embed, head, vocab, batch, passes: int = 1) -> to
 
 
 @torch.no_grad()
-def estimate_tau(arch, model, embed, head, store, anchors, vmap, vocab, block_size, device="cpu",
-                 chunk_size: int = 4, passes: int = 1) -> tuple[float, np.ndarray]:
+def estimate_tau(
+    arch,
+    model,
+    embed,
+    head,
+    store,
+    anchors,
+    vmap,
+    vocab,
+    block_size,
+    device="cpu",
+    chunk_size: int = 4,
+    passes: int = 1,
+) -> tuple[float, np.ndarray]:
     """tau = 1 + mean accepted length of one greedy draft of block_size - 1 tokens per held-out anchor,
     and the acceptance rate by block position (share of anchors whose first i drafts are all accepted).
     A block drafter runs `passes` denoising passes, each after the first with one more leading position fixed
@@ -60,8 +72,15 @@ def estimate_tau(arch, model, embed, head, store, anchors, vmap, vocab, block_si
     for start in range(0, len(anchors), chunk_size):
         chunk = anchors[start : start + chunk_size]
         if arch == "block":
-            batch = block_batch(store, [i for i, _ in chunk], None, max(len(a) for _, a in chunk), block_size, vmap,
-                                anchors=[a for _, a in chunk])
+            batch = block_batch(
+                store,
+                [i for i, _ in chunk],
+                None,
+                max(len(a) for _, a in chunk),
+                block_size,
+                vmap,
+                anchors=[a for _, a in chunk],
+            )
             batch = to_device(batch, device)
             predicted = greedy_block_drafts(model, embed, head, vocab, batch, passes)
             got = accepted_lengths(predicted, batch["full_targets"], batch["valid"])
@@ -82,8 +101,16 @@ def estimate_tau(arch, model, embed, head, store, anchors, vmap, vocab, block_si
     return 1 + float(lengths.mean()), by_position
 
 
-def lookup_tau(store, anchors, block_size, ngrams=None, min_ngram: int = 1, store_min_n: int = 2, max_ngram: int = 3,
-               prefer_store: float | None = None) -> float:
+def lookup_tau(
+    store,
+    anchors,
+    block_size,
+    ngrams=None,
+    min_ngram: int = 1,
+    store_min_n: int = 2,
+    max_ngram: int = 3,
+    prefer_store: float | None = None,
+) -> float:
     """The same estimate for prompt lookup (n-gram min_ngram..max_ngram over prompt + answer so far; min_ngram = 0:
     none), continued by the n-gram store `ngrams` if given (`lookup_draft`), for reference."""
     lengths = []
@@ -91,7 +118,9 @@ def lookup_tau(store, anchors, block_size, ngrams=None, min_ngram: int = 1, stor
         s = store.sequence(i)
         ids = torch.from_numpy(s["ids"].astype(np.int64))
         for a in chosen:
-            draft, _ = lookup_draft(ids[: a + 1], min_ngram, max_ngram, block_size - 1, ngrams, store_min_n, prefer_store)
+            draft, _ = lookup_draft(
+                ids[: a + 1], min_ngram, max_ngram, block_size - 1, ngrams, store_min_n, prefer_store
+            )
             full, ok, _ = block_targets(s, np.array([a]), block_size)
             k = len(draft)
             hit = (draft.numpy() == full[0, :k]) & ok[0, :k]

@@ -13,10 +13,15 @@ import numpy as np
 import torch
 
 from drafters.ar_baseline import FROZEN, WEIGHTS_NAME, with_verifier_embedding
-from drafters.block_diffusion import (BlockDiffusionConfig, BlockDiffusionModel, check_fingerprint, load_model, save_model,
-                                      verifier_fingerprint)
+from drafters.block_diffusion import (
+    BlockDiffusionConfig,
+    BlockDiffusionModel,
+    check_fingerprint,
+    load_model,
+    save_model,
+    verifier_fingerprint,
+)
 from drafters.training.distill import FeatureStore
-
 
 # -- the block-diffusion drafter ----------------------------------------------------------------------
 
@@ -34,8 +39,12 @@ def draft_vocabulary(store: FeatureStore, sequences: list[int], size: int) -> tu
 def feature_statistics(store, train_ids, seed: int, rows: int = 20_000) -> tuple[torch.Tensor, torch.Tensor]:
     """Robust per-dim centre and scale of the verifier features (median, half the 16-84 percentile range)."""
     rng = np.random.default_rng(seed)
-    sample = np.concatenate([np.asarray(store.sequence(int(i))["hidden"], dtype=np.float32)
-                             for i in rng.choice(train_ids, size=min(len(train_ids), 64), replace=False)])
+    sample = np.concatenate(
+        [
+            np.asarray(store.sequence(int(i))["hidden"], dtype=np.float32)
+            for i in rng.choice(train_ids, size=min(len(train_ids), 64), replace=False)
+        ]
+    )
     sample = sample[rng.choice(len(sample), size=min(rows, len(sample)), replace=False)]
     low, mid, high = np.percentile(sample, [16, 50, 84], axis=0)
     return torch.from_numpy(mid).float(), torch.from_numpy(np.maximum((high - low) / 2, 1e-3)).float()
@@ -50,8 +59,9 @@ def initial_block_model(args, verifier, store: FeatureStore, train_ids: list[int
         check_fingerprint(model.config.verifier, verifier_fingerprint(verifier))
         config = model.config
     else:
-        config = BlockDiffusionConfig.for_verifier(verifier, num_layers=args.layers, block_size=args.block_size,
-                                                   draft_vocab_size=args.draft_vocab)
+        config = BlockDiffusionConfig.for_verifier(
+            verifier, num_layers=args.layers, block_size=args.block_size, draft_vocab_size=args.draft_vocab
+        )
     if tuple(store.layers) != tuple(config.target_layers):
         raise ValueError(f"features hold layers {store.layers}, the drafter needs {config.target_layers}: rebuild them")
     if start:
@@ -106,11 +116,22 @@ def make_ar_model(verifier, trainable_budget: int):
     heads, kv, hd = text.num_attention_heads, text.num_key_value_heads, text.head_dim
     attention = h * heads * hd * 2 + h * kv * hd * 2
     intermediate = max(1, round((trainable_budget - attention - 3 * h) / (3 * h)))
-    config = LlamaConfig(vocab_size=text.vocab_size, hidden_size=h, intermediate_size=intermediate, num_hidden_layers=1,
-                         num_attention_heads=heads, num_key_value_heads=kv, head_dim=hd, rms_norm_eps=text.rms_norm_eps,
-                         rope_parameters=dict(text.rope_parameters), max_position_embeddings=text.max_position_embeddings,
-                         tie_word_embeddings=True, bos_token_id=text.bos_token_id, eos_token_id=text.eos_token_id,
-                         pad_token_id=text.pad_token_id)
+    config = LlamaConfig(
+        vocab_size=text.vocab_size,
+        hidden_size=h,
+        intermediate_size=intermediate,
+        num_hidden_layers=1,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=hd,
+        rms_norm_eps=text.rms_norm_eps,
+        rope_parameters=dict(text.rope_parameters),
+        max_position_embeddings=text.max_position_embeddings,
+        tie_word_embeddings=True,
+        bos_token_id=text.bos_token_id,
+        eos_token_id=text.eos_token_id,
+        pad_token_id=text.pad_token_id,
+    )
     return with_verifier_embedding(LlamaForCausalLM(config), verifier)
 
 
@@ -127,8 +148,11 @@ def save_ar_model(model, path: str | Path, dtype=None) -> None:
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     model.config.save_pretrained(path)
-    state = {k: (v.to(dtype) if dtype else v).detach().cpu().contiguous()
-             for k, v in model.state_dict().items() if k not in FROZEN}
+    state = {
+        k: (v.to(dtype) if dtype else v).detach().cpu().contiguous()
+        for k, v in model.state_dict().items()
+        if k not in FROZEN
+    }
     save_file(state, str(path / WEIGHTS_NAME))
 
 

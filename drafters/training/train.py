@@ -35,8 +35,15 @@ from tqdm import tqdm
 from drafters.block_diffusion import BlockDiffusionConfig, frozen_verifier_parts
 from drafters.training.batches import VocabMap, ar_batch, block_batch, to_device
 from drafters.training.corpus import chat_prompts
-from drafters.training.distill import (FeatureStore, build_features, generate_shards, interleave, load_sequences, split,
-                                       synthetic_user_turns)
+from drafters.training.distill import (
+    FeatureStore,
+    build_features,
+    generate_shards,
+    interleave,
+    load_sequences,
+    split,
+    synthetic_user_turns,
+)
 from drafters.training.estimate import estimate_tau, held_out_anchors, lookup_tau
 from drafters.training.losses import distill_loss, position_weights
 from drafters.training.models import ar_forward, block_forward, export, initial_block_model, make_ar_model, trainable
@@ -46,30 +53,57 @@ DEFAULT_WORK_DIR = Path.home() / ".cache" / "hybrid" / "drafter"
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m drafters.training.train", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--arch", choices=("block", "ar"), default="block", help="block-diffusion drafter or the 1-layer AR baseline")
+    p = argparse.ArgumentParser(
+        prog="python -m drafters.training.train",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--arch", choices=("block", "ar"), default="block", help="block-diffusion drafter or the 1-layer AR baseline"
+    )
     p.add_argument("--work-dir", type=Path, default=DEFAULT_WORK_DIR, help="cache of generated data and features")
-    p.add_argument("--out", type=Path, default=None, help="where the trained drafter goes (default: WORK_DIR/ARCH-drafter)")
+    p.add_argument(
+        "--out", type=Path, default=None, help="where the trained drafter goes (default: WORK_DIR/ARCH-drafter)"
+    )
     p.add_argument("--device", default="cpu", help="torch device for the verifier and the drafter (cpu, cuda, ...)")
-    p.add_argument("--gen-shards", type=int, default=13, help="batches of --gen-batch training prompts the verifier answers "
-                                                              "(-1: all of them)")
+    p.add_argument(
+        "--gen-shards",
+        type=int,
+        default=13,
+        help="batches of --gen-batch training prompts the verifier answers (-1: all of them)",
+    )
     p.add_argument("--gen-batch", type=int, default=64, help="prompts per generation batch (and shard)")
-    p.add_argument("--gen-minutes", type=float, default=None, help="stop generating after this long (no limit by default)")
-    p.add_argument("--synthetic-prompts", type=int, default=0, help="user turns sampled from the verifier, added to the "
-                                                                    "templated prompts")
+    p.add_argument(
+        "--gen-minutes", type=float, default=None, help="stop generating after this long (no limit by default)"
+    )
+    p.add_argument(
+        "--synthetic-prompts",
+        type=int,
+        default=0,
+        help="user turns sampled from the verifier, added to the templated prompts",
+    )
     p.add_argument("--doc-tokens", type=int, default=30_000, help="tokens of local documents (stdlib, pydoc) to add")
-    p.add_argument("--feature-batch-tokens", type=int, default=4096, help="tokens per verifier pass in the features stage")
+    p.add_argument(
+        "--feature-batch-tokens", type=int, default=4096, help="tokens per verifier pass in the features stage"
+    )
     p.add_argument("--steps", type=int, default=1100)
-    p.add_argument("--minutes", type=float, default=None, help="set --steps from the step time measured over the first "
-                                                               "10 steps so training takes about this long")
+    p.add_argument(
+        "--minutes",
+        type=float,
+        default=None,
+        help="set --steps from the step time measured over the first 10 steps so training takes about this long",
+    )
     p.add_argument("--seqs-per-step", type=int, default=4)
     p.add_argument("--anchors-per-seq", type=int, default=96)
     p.add_argument("--block-size", type=int, default=8, help="positions per block, anchor included")
     p.add_argument("--layers", type=int, default=1, help="drafter layers (block arch)")
-    p.add_argument("--init-from", type=Path, default=None,
-                   help="start from this block drafter checkpoint (its config, draft vocabulary and feature statistics) "
-                        "instead of random weights")
+    p.add_argument(
+        "--init-from",
+        type=Path,
+        default=None,
+        help="start from this block drafter checkpoint (its config, draft vocabulary and feature statistics) "
+        "instead of random weights",
+    )
     p.add_argument("--draft-vocab", type=int, default=4096, help="size of the draft vocabulary (the head's rows)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--gamma", type=float, default=2.0, help="position weight exp(-(i-1)/gamma)")
@@ -88,9 +122,14 @@ def training_prompts(args, verifier, tokenizer) -> tuple[list[str], str]:
     if not args.synthetic_prompts:
         # The name the CPU recipe has always used, so its cached answers stay valid.
         return prompts, "generated" if args.gen_batch == 64 else f"generated-b{args.gen_batch}"
-    synthetic = synthetic_user_turns(verifier, tokenizer, args.synthetic_prompts,
-                                     args.work_dir / f"synthetic-prompts-{args.synthetic_prompts}-s{args.seed}.json",
-                                     batch_size=args.gen_batch, seed=args.seed)
+    synthetic = synthetic_user_turns(
+        verifier,
+        tokenizer,
+        args.synthetic_prompts,
+        args.work_dir / f"synthetic-prompts-{args.synthetic_prompts}-s{args.seed}.json",
+        batch_size=args.gen_batch,
+        seed=args.seed,
+    )
     return interleave(prompts, synthetic), f"generated-b{args.gen_batch}-syn{args.synthetic_prompts}"
 
 
@@ -109,8 +148,15 @@ def main(argv=None) -> None:
     prompts, gen_name = training_prompts(args, verifier, tokenizer)
     gen_dir = args.work_dir / gen_name
     max_shards = None if args.gen_shards < 0 else args.gen_shards
-    generate_shards(verifier, tokenizer, prompts, gen_dir, minutes=float("inf") if args.gen_minutes is None else args.gen_minutes,
-                    batch_size=args.gen_batch, max_shards=max_shards)
+    generate_shards(
+        verifier,
+        tokenizer,
+        prompts,
+        gen_dir,
+        minutes=float("inf") if args.gen_minutes is None else args.gen_minutes,
+        batch_size=args.gen_batch,
+        max_shards=max_shards,
+    )
     shards = len(sorted(gen_dir.glob("gen-*.json"))[:max_shards])
     # 2. features (the folder name says what they depend on)
     layers = tuple(BlockDiffusionConfig.for_verifier(verifier).target_layers)
@@ -131,8 +177,18 @@ def recipe_tag(args) -> str:
     """A short hash of what shapes the training run, so a resume never continues a different recipe."""
     import hashlib
 
-    keys = ("arch", "seqs_per_step", "anchors_per_seq", "block_size", "layers", "draft_vocab", "lr", "gamma",
-            "reveal_prob", "seed")
+    keys = (
+        "arch",
+        "seqs_per_step",
+        "anchors_per_seq",
+        "block_size",
+        "layers",
+        "draft_vocab",
+        "lr",
+        "gamma",
+        "reveal_prob",
+        "seed",
+    )
     values = [getattr(args, k) for k in keys] + [str(args.init_from)]
     return f"s{args.seed}-" + hashlib.sha256(json.dumps(values).encode()).hexdigest()[:8]
 
@@ -156,7 +212,9 @@ def train(args, verifier, store: FeatureStore, out: Path, run_dir: Path) -> dict
         model = make_ar_model(verifier, sum(p.numel() for p in trainable(block_model)))
     model.to(device)
     final_norm = getattr(verifier.base_model, "norm", None)
-    if final_norm is not None and not args.init_from:  # start the output norm where the verifier's is, so its frozen head reads it
+    if (
+        final_norm is not None and not args.init_from
+    ):  # start the output norm where the verifier's is, so its frozen head reads it
         (model.norm if args.arch == "block" else model.model.norm).weight.data.copy_(final_norm.weight.data)
     params = trainable(model)
     print(f"{args.arch} drafter: {sum(p.numel() for p in params) / 1e6:.2f} M trainable parameters")
@@ -176,13 +234,21 @@ def train(args, verifier, store: FeatureStore, out: Path, run_dir: Path) -> dict
     anchors = held_out_anchors(store, held[: args.eval_seqs], per_seq=8, seed=args.seed)
     if not anchors:
         raise ValueError("no held-out anchors (answers on the verifier's greedy chain): generate more data")
-    print(f"held-out: {sum(len(a) for _, a in anchors)} anchors; prompt lookup tau there "
-          f"{lookup_tau(store, anchors, config.block_size):.2f}")
+    print(
+        f"held-out: {sum(len(a) for _, a in anchors)} anchors; prompt lookup tau there "
+        f"{lookup_tau(store, anchors, config.block_size):.2f}"
+    )
     weights = position_weights(config.block_size, args.gamma).to(device)
     record = {}
     model.train()
     interactive = sys.stderr.isatty()
-    bar = tqdm(total=planned, initial=step, desc=f"train {args.arch}", dynamic_ncols=True, mininterval=0.1 if interactive else 30)
+    bar = tqdm(
+        total=planned,
+        initial=step,
+        desc=f"train {args.arch}",
+        dynamic_ncols=True,
+        mininterval=0.1 if interactive else 30,
+    )
     t0 = time.time() - elapsed
     while step < planned:
         rng = np.random.default_rng([args.seed, step])  # batches depend on (seed, step) only: resuming is exact
@@ -190,7 +256,9 @@ def train(args, verifier, store: FeatureStore, out: Path, run_dir: Path) -> dict
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, planned, args.lr)
         if args.arch == "block":
-            batch = to_device(block_batch(store, seqs, rng, args.anchors_per_seq, config.block_size, vmap, args.reveal_prob), device)
+            batch = to_device(
+                block_batch(store, seqs, rng, args.anchors_per_seq, config.block_size, vmap, args.reveal_prob), device
+            )
             logits = block_forward(model, embed, head, batch)
             w = batch["loss_mask"] * weights
         else:
@@ -198,8 +266,13 @@ def train(args, verifier, store: FeatureStore, out: Path, run_dir: Path) -> dict
             logits = ar_forward(model, head, batch)
             w = batch["loss_mask"].float()
         k = store.top_k
-        loss = distill_loss(logits.reshape(-1, logits.shape[-1]), batch["targets"].reshape(-1),
-                            batch["soft_ids"].reshape(-1, k), batch["soft_probs"].reshape(-1, k), w.reshape(-1).float())
+        loss = distill_loss(
+            logits.reshape(-1, logits.shape[-1]),
+            batch["targets"].reshape(-1),
+            batch["soft_ids"].reshape(-1, k),
+            batch["soft_probs"].reshape(-1, k),
+            w.reshape(-1).float(),
+        )
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -216,26 +289,64 @@ def train(args, verifier, store: FeatureStore, out: Path, run_dir: Path) -> dict
         bar.set_postfix(loss=f"{loss.item():.3f}", **({"tau": record["tau"]} if record else {}))
         evaluated = step % args.eval_every == 0 or step == planned
         if evaluated:
-            tau, by_pos = estimate_tau(args.arch, model, embed, head, store, anchors, vmap, vocab, config.block_size,
-                                       device, chunk_size=max(4, args.seqs_per_step))
+            tau, by_pos = estimate_tau(
+                args.arch,
+                model,
+                embed,
+                head,
+                store,
+                anchors,
+                vmap,
+                vocab,
+                config.block_size,
+                device,
+                chunk_size=max(4, args.seqs_per_step),
+            )
             record = {"tau": round(tau, 3), "accept_by_position": [round(float(x), 3) for x in by_pos]}
             export(args.arch, model, out)
-            tqdm.write(f"step {step}: loss {loss.item():.3f}, held-out tau {tau:.2f}, accept by position "
-                       f"{record['accept_by_position'][:8]}")
+            tqdm.write(
+                f"step {step}: loss {loss.item():.3f}, held-out tau {tau:.2f}, accept by position "
+                f"{record['accept_by_position'][:8]}"
+            )
         if step % args.save_every == 0 or evaluated:
             elapsed = time.time() - t0
             tmp = ckpt_path.with_suffix(".tmp")
-            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-                        "elapsed": elapsed, "planned_steps": planned}, tmp)
+            torch.save(
+                {
+                    "model": model.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "step": step,
+                    "elapsed": elapsed,
+                    "planned_steps": planned,
+                },
+                tmp,
+            )
             tmp.rename(ckpt_path)
             with log_path.open("a") as f:
-                f.write(json.dumps({"step": step, "loss": round(loss.item(), 4), "elapsed_s": round(elapsed),
-                                    **(record if evaluated else {})}) + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            "step": step,
+                            "loss": round(loss.item(), 4),
+                            "elapsed_s": round(elapsed),
+                            **(record if evaluated else {}),
+                        }
+                    )
+                    + "\n"
+                )
     bar.close()
-    summary = {"arch": args.arch, "steps": step, "train_minutes": round((time.time() - t0) / 60, 1),
-               "answer_tokens": answer_tokens, "sequences": len(train_ids), "device": str(device),
-               "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-               "threads": torch.get_num_threads(), "command": "python -m drafters.training.train " + " ".join(sys.argv[1:]), **record}
+    summary = {
+        "arch": args.arch,
+        "steps": step,
+        "train_minutes": round((time.time() - t0) / 60, 1),
+        "answer_tokens": answer_tokens,
+        "sequences": len(train_ids),
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "threads": torch.get_num_threads(),
+        "command": "python -m drafters.training.train " + " ".join(sys.argv[1:]),
+        **record,
+    }
     if out.exists():
         (out / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary

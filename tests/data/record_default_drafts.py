@@ -27,17 +27,25 @@ def record(model, tokenizer, drafter, prompts: list[str]) -> dict:
     """{"single": [per prompt: its calls], "batch": its calls}; a call is one `propose_rows`, a list of rows
     [committed length, tokens asked, drafted tokens, confidences in units of 1e-4 (rounded)]."""
     import hybrid
-    from verifiers.prompts import encode_prompt
     from schedulers import FixedScheduler
+    from verifiers.prompts import encode_prompt
 
     calls: list = []
     ask = drafter.propose_rows
 
     def propose_rows(drafters, ctxs, max_tokens):
         drafts = ask(drafters, ctxs, max_tokens)
-        calls.append([[ctx.input_ids.shape[1] - ctx.num_padding, k, d.tokens.tolist(),
-                       [round(c * 1e4) for c in d.confidence.tolist()] if d.confidence is not None else None]
-                      for ctx, k, d in zip(ctxs, max_tokens, drafts)])
+        calls.append(
+            [
+                [
+                    ctx.input_ids.shape[1] - ctx.num_padding,
+                    k,
+                    d.tokens.tolist(),
+                    [round(c * 1e4) for c in d.confidence.tolist()] if d.confidence is not None else None,
+                ]
+                for ctx, k, d in zip(ctxs, max_tokens, drafts)
+            ]
+        )
         return drafts
 
     drafter.propose_rows = propose_rows  # the engine asks the drafter it is given for every row's drafts
@@ -46,8 +54,14 @@ def record(model, tokenizer, drafter, prompts: list[str]) -> dict:
         single = []
         for prompt in prompts:
             calls = []
-            hybrid.generate(model, encode_prompt(tokenizer, prompt), drafter=drafter,
-                            scheduler=FixedScheduler(drafter.max_draft_len), max_new_tokens=MAX_NEW_TOKENS, **settings)
+            hybrid.generate(
+                model,
+                encode_prompt(tokenizer, prompt),
+                drafter=drafter,
+                scheduler=FixedScheduler(drafter.max_draft_len),
+                max_new_tokens=MAX_NEW_TOKENS,
+                **settings,
+            )
             single.append(calls)
         rows = [encode_prompt(tokenizer, prompt)[0] for prompt in prompts[:BATCH_PROMPTS]]
         width = max(row.shape[0] for row in rows)
@@ -55,8 +69,16 @@ def record(model, tokenizer, drafter, prompts: list[str]) -> dict:
         ids = torch.stack([torch.cat([row.new_full((width - row.shape[0],), pad), row]) for row in rows])
         mask = torch.stack([(torch.arange(width) >= width - row.shape[0]).long() for row in rows])
         calls = []
-        hybrid.generate(model, ids, attention_mask=mask, pad_token_id=pad, drafter=drafter,
-                        scheduler=FixedScheduler(drafter.max_draft_len), max_new_tokens=BATCH_NEW_TOKENS, **settings)
+        hybrid.generate(
+            model,
+            ids,
+            attention_mask=mask,
+            pad_token_id=pad,
+            drafter=drafter,
+            scheduler=FixedScheduler(drafter.max_draft_len),
+            max_new_tokens=BATCH_NEW_TOKENS,
+            **settings,
+        )
         return {"single": single, "batch": calls}
     finally:
         del drafter.propose_rows
@@ -74,10 +96,12 @@ def main() -> None:
 
     model, tokenizer, drafter = hybrid.load_default()
     drafts = record(model, tokenizer, drafter, dev_prompts())
-    meta = {"what": "drafts of hybrid.load_default()'s drafter, recorded by tests/data/record_default_drafts.py",
-            "single": f"load_prompts('dev')[:{PROMPTS}] each alone, {MAX_NEW_TOKENS} new tokens",
-            "batch": f"load_prompts('dev')[:{BATCH_PROMPTS}] as one batch, {BATCH_NEW_TOKENS} new tokens",
-            "call": "per row: [committed length, max_tokens, tokens, confidences in units of 1e-4]"}
+    meta = {
+        "what": "drafts of hybrid.load_default()'s drafter, recorded by tests/data/record_default_drafts.py",
+        "single": f"load_prompts('dev')[:{PROMPTS}] each alone, {MAX_NEW_TOKENS} new tokens",
+        "batch": f"load_prompts('dev')[:{BATCH_PROMPTS}] as one batch, {BATCH_NEW_TOKENS} new tokens",
+        "call": "per row: [committed length, max_tokens, tokens, confidences in units of 1e-4]",
+    }
     OUT.write_text(json.dumps({"meta": meta, **drafts}, separators=(",", ":")) + "\n")
     n = sum(len(c) for c in drafts["single"]) + len(drafts["batch"])
     print(f"{n} calls -> {OUT} ({OUT.stat().st_size} bytes)")
