@@ -211,7 +211,9 @@ def load_default_model():
 
 def load_tiny_model():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
+
+    from hybrid.testing import tiny_model
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())  # one token per byte, no merges
     byte_level = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
@@ -222,23 +224,8 @@ def load_tiny_model():
         "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
         "{% if add_generation_prompt %}<assistant>{% endif %}"
     )
-    config = LlamaConfig(
-        vocab_size=len(alphabet),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        initializer_range=0.3,
-        tie_word_embeddings=False,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-    )
-    with torch.random.fork_rng():  # the same weights in every process, without touching the caller's RNG
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(config).eval()
+    # The tests' tiny Llama (hybrid.testing), one token per byte: the same weights in every process.
+    model = tiny_model("llama", len(alphabet), 2, seed=0, max_position_embeddings=1024)
     return model, tokenizer
 
 
