@@ -17,7 +17,7 @@ import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 
 from drafters.base import Draft, DraftContext, Drafter, DraftError, check_draft
-from hybrid.acceptance import ACCEPTANCE_RULES, sample, speculative_step
+from hybrid.acceptance import sample, speculative_step
 from hybrid.stats import GenerationStats
 from schedulers.base import Scheduler
 from verifiers.logits import process_logits
@@ -92,8 +92,6 @@ def decode(
     makes it (argmax, or one multinomial draw from the caller's RNG); "rejection" is speculative sampling's
     min(1, p/q) rule, which trusts `Draft.probs` to be what each token was drawn from.
     """
-    if acceptance not in ACCEPTANCE_RULES:
-        raise ValueError(f"acceptance={acceptance!r}: choose one of {ACCEPTANCE_RULES}")
     start = time.perf_counter()
     max_length = math.ceil(max_length)  # `generate` stops at the first length >= max_length, a float included
     rows = [
@@ -123,15 +121,15 @@ def decode(
         scheduler.set_verify_width(verifier.padded_width)
     # Under "match" the verifier's draws are `generate`'s own, from the caller's RNG: drafters propose their best
     # guesses (the most likely to match) and whatever they draw comes from a fork of the global RNG.
-    sample_drafts = do_sample and acceptance == "rejection"
-    protect_rng = do_sample and acceptance == "match"
+    rejection = do_sample and acceptance == "rejection"  # drafts sampled, with their probs, for min(1, p/q)
+    protect_rng = do_sample and not rejection
     device = verifier.model.device
     rng_devices = (
         [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
     )
     for b, row in enumerate(rows):
         row.ctx = DraftContext(
-            row.unmasked_ids(), sample_drafts, row.processors, generator if sample_drafts else None, verifier, row=b
+            row.unmasked_ids(), rejection, row.processors, generator if rejection else None, verifier, row=b
         )
         if drafter is not None:
             # Each row drafts with its own copy (weights shared, per-sequence state separate).
@@ -202,7 +200,7 @@ def decode(
         logits = verifier.verify_rows(fed, real=[1 + len(row.draft) for row in active])
         drop = []
         for row, row_logits in zip(active, logits):
-            emitted = _accept(row, row_logits, do_sample and acceptance == "rejection", choose, generator)
+            emitted = _accept(row, row_logits, rejection, choose, generator)
             drop.append(width - emitted)  # the cache keeps every committed token but the newest
         verifier.rollback_rows(drop)
         verify_time = time.perf_counter() - t3

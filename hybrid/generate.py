@@ -21,7 +21,7 @@ from hybrid.engine import decode
 from hybrid.stats import GenerationStats
 from schedulers.adaptive import default_scheduler
 from schedulers.base import Scheduler
-from verifiers.cache import foreign_cache_reason, learned_position_limit
+from verifiers.cache import foreign_cache_reason
 from verifiers.verifier import Verifier, check_causal_lm
 
 # `generate` arguments outside GenerationConfig that this engine honours.
@@ -169,7 +169,6 @@ def generate(
         input_ids_length=prompt_len,
     )
     model._validate_generated_length(config, prompt_len, has_default_max_length)
-    _check_context(model, prompt_len, config.max_length)
     batch = input_ids.shape[0]
     if batch > 1 and call["streamer"] is not None:
         raise ValueError(f"streamer with batch size {batch}: streamers take one sequence; pass one prompt per call")
@@ -191,6 +190,7 @@ def generate(
         max_width=1 + (drafter.max_draft_len if drafter is not None else 0),
         compile_config=_compile_config(model, config) if static else None,
     )
+    _check_context(verifier, prompt_len, config.max_length)
     _check_drafter(drafter, verifier, call["tokenizer"])
     if scheduler is None:
         scheduler = default_scheduler(drafter, model) if drafter is not None else Scheduler()
@@ -401,10 +401,10 @@ def _check_prompt(model, input_ids, attention_mask):
     return input_ids, attention_mask
 
 
-def _check_context(model, prompt_len: int, max_length: int | float) -> None:
+def _check_context(verifier: Verifier, prompt_len: int, max_length: int | float) -> None:
     """Refuse a call that would run past a learned position table, where `generate` fails mid-way (IndexError).
     Rotary and ALiBi models have no such end: like `generate`, hybrid goes on past max_position_embeddings."""
-    limit = learned_position_limit(model)
+    limit, model = verifier.max_positions, verifier.model
     if limit is not None and math.ceil(max_length) > limit:
         raise ValueError(
             f"prompt of {prompt_len} tokens + new tokens up to a length of {math.ceil(max_length)} run past the "
