@@ -38,7 +38,7 @@ def record(model, tokenizer, drafter, prompts: list[str]) -> dict:
         calls.append(
             [
                 [
-                    ctx.input_ids.shape[1] - ctx.num_padding,
+                    ctx.input_ids.shape[1],  # the committed tokens, padding left out
                     k,
                     d.tokens.tolist(),
                     [round(c * 1e4) for c in d.confidence.tolist()] if d.confidence is not None else None,
