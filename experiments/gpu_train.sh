@@ -14,7 +14,7 @@
 set -euo pipefail
 OUT=${1:?usage: gpu_train.sh OUT_DIR}
 DEVICE=${DEVICE:-cuda}
-WORK=${WORK:-$HOME/.cache/hybrid/drafter-gpu}
+WORK=${WORK:-${HYBRID_CACHE:-$HOME/.cache/hybrid}/drafter-gpu}
 SYNTHETIC=${SYNTHETIC:-8000}
 GEN_BATCH=${GEN_BATCH:-512}
 GEN_SHARDS=${GEN_SHARDS:-13}

@@ -30,9 +30,9 @@ from drafters.ar_baseline import load_ar_model
 from drafters.block_diffusion import frozen_verifier_parts, load_model
 from drafters.ngram_store import NgramStore
 from drafters.prompt_lookup import check_prefer_store
-from drafters.training.batches import VocabMap, block_batch
+from drafters.training.batches import VocabMap
 from drafters.training.distill import FeatureStore, build_features, held_out_indices, load_sequences
-from drafters.training.estimate import estimate_tau, held_out_anchors, lookup_tau
+from drafters.training.estimate import anchor_block_batches, estimate_tau, held_out_anchors, lookup_tau
 from drafters.training.models import block_forward
 from drafters.training.train import DEFAULT_WORK_DIR
 from verifiers.embedded import load_verifier
@@ -68,17 +68,7 @@ def reveal_accuracy(model, embed, head, store, anchors, vmap, revealed: int) -> 
     B, vocab = model.config.block_size, model.draft_vocab
     hits, valid = np.zeros(B - 1), np.zeros(B - 1)
     with torch.no_grad():
-        for start in range(0, len(anchors), 4):
-            chunk = anchors[start : start + 4]
-            batch = block_batch(
-                store,
-                [i for i, _ in chunk],
-                None,
-                max(len(a) for _, a in chunk),
-                B,
-                vmap,
-                anchors=[a for _, a in chunk],
-            )
+        for _, batch in anchor_block_batches(store, anchors, B, vmap):
             batch["known"][..., 1 : 1 + revealed] = True
             predicted = vocab[block_forward(model, embed, head, batch).argmax(-1)]
             hits += ((predicted == batch["full_targets"]) & batch["valid"]).sum((0, 1)).numpy()

@@ -12,10 +12,11 @@ import warnings
 import pytest
 import torch
 import transformers
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import DynamicCache, LlamaForCausalLM
 
 import hybrid
 from drafters import Draft, DraftContext, Drafter, DraftError, ModelDrafter, PromptLookupDrafter
+from hybrid.testing import tiny_model
 from schedulers import FixedScheduler, HeuristicScheduler, Scheduler
 
 VOCAB = 64
@@ -24,21 +25,8 @@ MAX_NEW = 10
 
 
 def tiny_llama(seed: int, vocab_size: int = VOCAB) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=CONTEXT,
-        initializer_range=0.3,
-        bos_token_id=1,
-        eos_token_id=None,  # no early stop: every call runs long enough to reach the drafter
-        pad_token_id=0,
-    )
-    return LlamaForCausalLM(config).eval()
+    """hybrid.testing's tiny Llama. It has no eos token: every call runs long enough to reach the drafter."""
+    return tiny_model("llama", vocab_size, num_layers=2, seed=seed, max_position_embeddings=CONTEXT)
 
 
 class FakeTokenizer:

@@ -47,6 +47,27 @@ def greedy_block_drafts(model, embed, head, vocab, batch, passes: int = 1) -> to
     return torch.where(known[..., 1:], tokens[..., 1:], predicted)
 
 
+def anchor_chunks(anchors, chunk_size: int = 4):
+    """`held_out_anchors` in chunks of `chunk_size` sequences: one forward scores a chunk's anchors together."""
+    for start in range(0, len(anchors), chunk_size):
+        yield anchors[start : start + chunk_size]
+
+
+def anchor_block_batches(store, anchors, block_size, vmap, device="cpu", chunk_size: int = 4):
+    """(chunk, its `block_batch` on `device`) for every chunk of the held-out anchors: one block per anchor."""
+    for chunk in anchor_chunks(anchors, chunk_size):
+        batch = block_batch(
+            store,
+            [i for i, _ in chunk],
+            None,
+            max(len(a) for _, a in chunk),
+            block_size,
+            vmap,
+            anchors=[a for _, a in chunk],
+        )
+        yield chunk, to_device(batch, device)
+
+
 @torch.no_grad()
 def estimate_tau(
     arch,
@@ -69,23 +90,13 @@ def estimate_tau(
     model.eval()
     lengths = []
     vocab = vocab.to(device)
-    for start in range(0, len(anchors), chunk_size):
-        chunk = anchors[start : start + chunk_size]
-        if arch == "block":
-            batch = block_batch(
-                store,
-                [i for i, _ in chunk],
-                None,
-                max(len(a) for _, a in chunk),
-                block_size,
-                vmap,
-                anchors=[a for _, a in chunk],
-            )
-            batch = to_device(batch, device)
+    if arch == "block":
+        for chunk, batch in anchor_block_batches(store, anchors, block_size, vmap, device, chunk_size):
             predicted = greedy_block_drafts(model, embed, head, vocab, batch, passes)
             got = accepted_lengths(predicted, batch["full_targets"], batch["valid"])
             lengths += [got[r, : len(a)] for r, (_, a) in enumerate(chunk)]
-        else:
+    else:
+        for chunk in anchor_chunks(anchors, chunk_size):
             batch = to_device(ar_batch(store, [i for i, _ in chunk], vmap), device)
             hit = (vocab[ar_forward(model, head, batch).argmax(-1)] == batch["full_targets"]) & batch["loss_mask"]
             for r, (_, a) in enumerate(chunk):

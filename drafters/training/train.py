@@ -47,9 +47,9 @@ from drafters.training.distill import (
 from drafters.training.estimate import estimate_tau, held_out_anchors, lookup_tau
 from drafters.training.losses import distill_loss, position_weights
 from drafters.training.models import ar_forward, block_forward, export, initial_block_model, make_ar_model, trainable
-from verifiers.embedded import load_verifier
+from verifiers.embedded import cache_dir, load_verifier
 
-DEFAULT_WORK_DIR = Path.home() / ".cache" / "hybrid" / "drafter"
+DEFAULT_WORK_DIR = cache_dir() / "drafter"  # $HYBRID_CACHE/drafter, else ~/.cache/hybrid/drafter
 
 
 def parser() -> argparse.ArgumentParser:
