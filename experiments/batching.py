@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 
 import hybrid
-from drafters import PromptLookupDrafter
-from experiments.acceptance import load_model, parse_numbers
+from experiments.arguments import parse_numbers
 from experiments.datasets import load_prompts
+from experiments.models import load_with_drafter
 from verifiers.prompts import encode_prompt
 
 METHODS = ("plain", "hybrid", "hybrid-none")
@@ -81,11 +81,7 @@ def main(argv=None) -> dict:
 
 
 def measure(args, sizes: list[int]) -> dict[str, dict]:
-    if args.model == "default":
-        model, tokenizer, drafter = hybrid.load_default(args.device)
-    else:
-        (model, tokenizer), drafter = load_model(args.model), PromptLookupDrafter()
-        model = model.to(args.device)
+    model, tokenizer, drafter = load_with_drafter(args.model, args.device)
     pad_id = next((i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if i is not None), 0)
     prompts = [
         encode_prompt(tokenizer, text).to(model.device) for text in load_prompts(args.dataset)[: args.num_prompts]

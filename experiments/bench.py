@@ -41,39 +41,15 @@ from tqdm import tqdm
 from transformers import CompileConfig
 
 import hybrid
-from drafters import OracleDrafter, PromptLookupDrafter
-from experiments.acceptance import append_record, drop_partial_line, load_model, read_records
 from experiments.datasets import load_prompts
+from experiments.methods import METHODS, check_fits_model, make_drafter, method_drafter
+from experiments.models import MODEL_HELP, load_model
+from experiments.runs import append_record, resume_sharded
 from schedulers import FixedScheduler
 from schedulers.registry import NAMES_HELP, check_scheduler_name, make_scheduler
 from verifiers.prompts import encode_prompt
 
-METHODS = (
-    "plain",
-    "hf-lookup",
-    "hybrid-none",
-    "hybrid-lookup",
-    "hybrid-lookup-store",
-    "hybrid-block",
-    "hybrid-block-lookup",
-    "hybrid-block-lookup-store",
-    "hybrid-block-long-lookup",
-    "hybrid-block-long-lookup-store",
-    "hybrid-match-store",
-    "hybrid-default",
-    "hybrid-ar",
-    "oracle",
-)
 DEFAULT_METHODS = ("plain", "hf-lookup", "hybrid-none", "hybrid-lookup", "hybrid-default", "oracle")
-TRAINED = (
-    "hybrid-block",
-    "hybrid-block-lookup",
-    "hybrid-block-lookup-store",
-    "hybrid-block-long-lookup",
-    "hybrid-default",
-    "hybrid-block-long-lookup-store",
-    "hybrid-ar",
-)  # drafters trained for the default verifier
 RECORDS_FILE = "bench.jsonl"
 _SCHEDULERS: dict[str, object] = {}  # one per "method+layout@scheduler", kept across prompts as the default one is
 WARM_UP: dict[str, float] = {}  # compiled method -> seconds of its warm-up call in this process
@@ -98,30 +74,6 @@ def layout_settings(layout: str | None) -> dict:
     return {"cache_implementation": "static", "compile_config": config}
 
 
-def make_drafter(method: str, model, reference: torch.Tensor):
-    from experiments import trained_drafters  # loads the shipped drafter's config: only when a trained one is asked for
-
-    drafted = trained_drafters.MAX_DRAFTED if method in TRAINED else 0
-    return {
-        "hybrid-none": lambda: None,
-        "hybrid-lookup": PromptLookupDrafter,
-        "hybrid-lookup-store": lambda: PromptLookupDrafter(ngram_store=trained_drafters.ngram_store()),
-        "hybrid-block": lambda: trained_drafters.block(model, drafted),
-        "hybrid-block-lookup": lambda: trained_drafters.block(model, drafted, lookup=True),
-        "hybrid-block-lookup-store": lambda: trained_drafters.block(model, drafted, lookup=True, store=True),
-        "hybrid-block-long-lookup": lambda: trained_drafters.block(
-            model, trained_drafters.LONG_LOOKUP_TOKENS, long_lookup=True
-        ),
-        "hybrid-block-long-lookup-store": lambda: trained_drafters.block(
-            model, trained_drafters.LONG_LOOKUP_TOKENS, long_lookup=True, store=True
-        ),
-        "hybrid-match-store": lambda: trained_drafters.match_store(trained_drafters.LONG_LOOKUP_TOKENS),
-        "hybrid-default": lambda: trained_drafters.default(model),
-        "hybrid-ar": lambda: trained_drafters.ar(model, drafted),
-        "oracle": lambda: OracleDrafter(reference),
-    }[method]()
-
-
 def run_method(
     method: str, model, input_ids, reference, max_new_tokens: int
 ) -> tuple[torch.Tensor, float, float | None]:
@@ -130,7 +82,8 @@ def run_method(
     name = method
     method, layout, scheduler_name = parse_method(name)
     settings |= layout_settings(layout)
-    drafter = None if method in ("plain", "hf-lookup") else make_drafter(method, model, reference)
+    drafter_name = method_drafter(method)
+    drafter = None if drafter_name is None else make_drafter(drafter_name, None, reference, model)
     start = time.perf_counter()
     if method == "plain":
         out, tau = model.generate(input_ids, **settings), None
@@ -302,7 +255,7 @@ def parse_args(argv):
     parser.add_argument(
         "--model",
         default="default",
-        help="default (SmolLM2-135M-Instruct), tiny (random, for tests) or a local checkpoint folder",
+        help=MODEL_HELP,
     )
     parser.add_argument("--device", default="cpu", help="where the verifier and drafters run (cpu, cuda, cuda:1)")
     parser.add_argument("--out", default="runs/bench", help="folder for bench.jsonl and summary.json; rerun to resume")
@@ -319,17 +272,16 @@ def parse_args(argv):
         if layout is not None and base == "hf-lookup":
             parser.error(f"{method}: assisted generation takes no cache layout; use plain+{layout} or a hybrid method")
         if scheduler is not None:
-            if base in ("plain", "hf-lookup", "hybrid-none"):
+            if method_drafter(base) in (None, "none"):
                 parser.error(f"{method}: only a hybrid method with a drafter takes a scheduler")
             try:
                 check_scheduler_name(scheduler)
             except ValueError as error:
                 parser.error(f"{method}: {error}")
-    if args.model != "default" and set(bases) & set(TRAINED):
-        parser.error(
-            f"{sorted(set(bases) & set(TRAINED))} are trained for the default verifier: "
-            f"drop them or use --model default"
-        )
+    try:
+        check_fits_model(args.model, bases, method_drafter)
+    except ValueError as error:
+        parser.error(str(error))
     for name in ("num_prompts", "max_new_tokens", "repeats"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -338,46 +290,28 @@ def parse_args(argv):
 
 def main(argv=None, load=load_model) -> dict[str, dict]:
     """Run (or resume) the benchmark; returns the summary rows (empty on processes other than the main one)."""
-    from accelerate import PartialState
-    from accelerate.utils import gather_object
-
     parser, args = parse_args(argv)
     try:
         prompts = load_prompts(args.dataset)[: args.num_prompts]  # before any model loads: bad names fail fast
     except (ValueError, RuntimeError) as e:
         parser.error(str(e))
-    state = PartialState(cpu=True)
     out = Path(args.out)
-    path = out / RECORDS_FILE
-    if state.is_main_process:
-        out.mkdir(parents=True, exist_ok=True)
-        drop_partial_line(path)
-    state.wait_for_everyone()
-    done = read_records(path, key=measurement_key)
-    state.wait_for_everyone()  # everyone has read the file before anyone appends to it
     indexed = list(enumerate(prompts))
-    new = run_shard(
-        args,
-        indexed[state.process_index :: state.num_processes],
-        {measurement_key(r) for r in done},
-        path,
-        load,
-        show_progress=state.is_main_process,
-    )
-    new = gather_object(new) if state.num_processes > 1 else new
-    # Every process is done with the others: close the group now, not at interpreter exit, where gloo's threads
-    # being torn down once aborted a worker ("terminate called without an active exception", SIGABRT).
-    state.destroy_process_group()
-    if not state.is_main_process:
+
+    def run_mine(rank: int, processes: int, done: set[tuple], show_progress: bool) -> list[dict]:
+        return run_shard(args, indexed[rank::processes], done, out / RECORDS_FILE, load, show_progress)
+
+    records, processes = resume_sharded(out / RECORDS_FILE, measurement_key, run_mine)
+    if records is None:  # not the main process
         return {}
     wanted = {measurement_key(identity(args, t, r, m)) for r, _, t, m in schedule(args, indexed)}
-    records = [r for r in {measurement_key(r): r for r in done + new}.values() if measurement_key(r) in wanted]
+    records = [r for r in {measurement_key(r): r for r in records}.values() if measurement_key(r) in wanted]
     rows = summarize(args, records)
-    print_table(args, rows, len(prompts), state.num_processes)
+    print_table(args, rows, len(prompts), processes)
     command = ["python", "-m", "experiments.bench", *(sys.argv[1:] if argv is None else argv)]
     summary = {
         "command": command,
-        "processes": state.num_processes,
+        "processes": processes,
         "threads": torch.get_num_threads(),
         "methods": rows,
     }

@@ -53,16 +53,11 @@ def peak_bytes(device: torch.device) -> int:
 def measure(method: str, model_name: str, max_new_tokens: int, device: str) -> dict:
     """Load, decode once with `method`, and report memory (run in a process of its own)."""
     import hybrid
-    from drafters import PromptLookupDrafter
-    from experiments.acceptance import load_model
+    from experiments.models import load_with_drafter
     from verifiers.prompts import encode_prompt
 
     torch.set_grad_enabled(False)
-    if model_name == "default":
-        model, tokenizer, drafter = hybrid.load_default(device)
-    else:
-        model, tokenizer = load_model(model_name)
-        model, drafter = model.to(device), PromptLookupDrafter()
+    model, tokenizer, drafter = load_with_drafter(model_name, device)
     input_ids = encode_prompt(tokenizer, PROMPT).to(model.device)
     loaded = current_bytes(model.device)
     reset_peak(model.device)

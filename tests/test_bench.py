@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from experiments import bench
-from experiments.acceptance import load_tiny_model
+from experiments.models import load_tiny_model
 
 METHODS = "plain,hybrid-none,hybrid-lookup,oracle"
 

@@ -13,8 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from experiments import acceptance, metrics, plots
-from experiments.acceptance import DrafterEntry, load_tiny_model, make_plan, parse_args, run_key, run_shard
+from experiments import acceptance, methods, metrics, plots, runs
+from experiments.acceptance import parse_args
+from experiments.acceptance.plan import make_plan, run_key
+from experiments.acceptance.report import against_fixed
+from experiments.acceptance.run import run_shard
+from experiments.methods import DrafterEntry
+from experiments.models import load_tiny_model
+from schedulers.registry import fixed_k
 from verifiers.prompts import encode_prompt
 
 REPO = Path(__file__).resolve().parent.parent
@@ -113,13 +119,13 @@ def test_adaptive_schedulers_are_compared_with_the_best_fixed_k_in_hindsight():
         row("fixed-4", 10.0, "other"),
         row(None, 9.0),
     ]  # another dataset's fixed k and a drafter-less row
-    assert acceptance.fixed_k(rows[2]["scheduler"], rows[2]["block_size"]) == 16  # "fixed" verifies the block size
-    (line,) = acceptance.against_fixed(rows)
+    assert fixed_k(rows[2]["scheduler"], rows[2]["block_size"]) == 16  # "fixed" verifies the block size
+    (line,) = against_fixed(rows)
     assert line.startswith(
         "d x b=16 T=0: cost-aware 33.0 tok/s = 1.10x the best fixed k in hindsight (k = 13 of 3 swept"
     )
     assert line.endswith("1.32x fixed k = 16 (25.0)")
-    assert acceptance.against_fixed([row("cost-aware", 33.0)]) == []  # nothing to compare with
+    assert against_fixed([row("cost-aware", 33.0)]) == []  # nothing to compare with
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -157,13 +163,12 @@ def prompts_file(tmp_path):
         (["--temperatures", "-1"], "temperature -1.0 must be >= 0"),
         (["--num-prompts", "0"], "--num-prompts 0"),
         (["--model", "no-such-model"], "--model 'no-such-model'"),
+        (["--model", "tiny", "--drafters", "lookup,default"], "['default'] are trained for the default verifier"),
     ],
 )
 def test_bad_input_fails_before_any_model_loads(args, message, monkeypatch, capsys, tmp_path):
     # A block drafter trained for blocks of 4, registered the way a new drafter would be.
-    monkeypatch.setitem(
-        acceptance.DRAFTERS, "tiny-block", DrafterEntry(lambda b, ref, model: None, 4, max_block_size=4)
-    )
+    monkeypatch.setitem(methods.DRAFTERS, "tiny-block", DrafterEntry(lambda b, ref, model: None, 4, max_block_size=4))
     with pytest.raises(SystemExit) as exit_info:
         acceptance.main(args + ["--out", str(tmp_path / "out")], load=no_model)
     assert exit_info.value.code == 2
@@ -303,9 +308,9 @@ def test_warns_when_accelerate_cpu_launch_started_one_process(monkeypatch):
     monkeypatch.setenv(
         "MASTER_PORT", "29500"
     )  # what `accelerate launch --cpu --num_processes 2` sets, and no WORLD_SIZE
-    assert acceptance.started_alone_by_accelerate()
+    assert runs.started_alone_by_accelerate()
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert not acceptance.started_alone_by_accelerate()
+    assert not runs.started_alone_by_accelerate()
 
 
 @pytest.mark.parametrize(

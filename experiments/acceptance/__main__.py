@@ -1,0 +1,3 @@
+from experiments.acceptance import main
+
+main()
