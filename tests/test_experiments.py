@@ -336,3 +336,16 @@ def test_heldout_bad_input_fails_before_any_model_loads(args, message, capsys, t
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "work").exists()
+
+
+@pytest.mark.slow
+def test_the_committed_calibration_is_keyed_by_the_default_pair():
+    """`CostAwareScheduler(calibration=docs/results/calibration/calibration.json)` loads for `hybrid.load_default()`:
+    the file names the default drafter and verifier as they fingerprint today."""
+    import hybrid
+    from schedulers.adaptive import pair_fingerprint
+    from schedulers.calibration import AcceptanceModel
+
+    model, _, drafter = hybrid.load_default()
+    path = REPO / "docs" / "results" / "calibration" / "calibration.json"
+    AcceptanceModel.load(path, pair_fingerprint(drafter, model))  # raises, naming both keys, if they differ
