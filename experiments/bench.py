@@ -3,17 +3,15 @@
     python -m experiments.bench --dataset mt-bench --num-prompts 8 --max-new-tokens 128 --repeats 3
     accelerate launch --multi_gpu --num_processes 2 -m experiments.bench ...   # prompts split across 2 processes
 
-Methods: plain `model.generate`; HF assisted generation with prompt lookup; hybrid with no drafter,
-with prompt lookup (alone and continued by the shipped n-gram store, `hybrid-lookup-store`), with the shipped
-block-diffusion drafter (alone, with n-gram lookup, with lookup and the store: `hybrid-block-lookup-store`, and as
-`hybrid.load_default()` builds it: `hybrid-default`; its lookup without the model is `hybrid-match-store`), with the
-1-layer AR baseline drafter (`python -m drafters.training.train --arch ar`), and with an oracle drafter that
-proposes the verifier's own greedy continuation at zero cost (the ceiling of speculative decoding for
-this verifier on this machine: every method is also reported as a fraction of it). Greedy only: every
-output is checked against plain `generate`'s. A hybrid method takes a scheduler after `@`
-(`hybrid-block-lookup@fixed-4`, names as in experiments.acceptance); without one it uses `generate`'s
-default (cost-aware, learning across the prompts). Plain and hybrid methods take a cache layout after `+`:
-`+static` (`cache_implementation="static"`, run eagerly) or `+compiled` (static and compiled as
+Methods: plain `model.generate`; HF assisted generation with prompt lookup (`hf-lookup`); hybrid with each
+named drafter of experiments.methods at its default block size, as `hybrid-NAME` (`hybrid-none`: no drafter,
+`hybrid-lookup`, `hybrid-default`: what `hybrid.load_default()` builds, `hybrid-ar`: the 1-layer AR baseline,
+...); and `oracle`, hybrid with a drafter that proposes the verifier's own greedy continuation at zero cost
+(the ceiling of speculative decoding for this verifier on this machine: every method is also reported as a
+fraction of it). Greedy only: every output is checked against plain `generate`'s. A hybrid method takes a
+scheduler after `@` (`hybrid-block-lookup@fixed-4`, names as in schedulers.registry); without one it uses
+`generate`'s default (cost-aware, learning across the prompts). Plain and hybrid methods take a cache layout
+after `+`: `+static` (`cache_implementation="static"`, run eagerly) or `+compiled` (static and compiled as
 `model.generate` compiles a static cache: CUDA graphs on a GPU, inductor on a CPU), e.g.
 `plain+compiled,hybrid-default+compiled@fixed-8`. A compiled method runs each prompt once untimed first
 (compiling what its shapes need); those warm-up seconds are printed and kept in summary.json.

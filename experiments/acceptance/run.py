@@ -1,7 +1,4 @@
-"""Running the plan: one prompt at a time, every pending configuration on it, plain generate once as reference.
-
-Every run is seeded from its identity, not from its place in a shard, so sharded and unsharded sweeps agree.
-"""
+"""Running the plan: one prompt at a time, every pending configuration on it, plain generate once as reference."""
 
 from __future__ import annotations
 
@@ -33,9 +30,8 @@ def seed_for(*parts) -> int:
 
 def plain_generate(model, input_ids: torch.Tensor, temperature: float, plan: Plan, prompt: Prompt):
     """(output, seconds) of plain `model.generate`: the baseline, and for greedy the reference output."""
-    torch.manual_seed(
-        seed_for(plan.seed, prompt.dataset, prompt.index, temperature)
-    )  # generate samples from the global RNG
+    # generate samples from the global RNG.
+    torch.manual_seed(seed_for(plan.seed, prompt.dataset, prompt.index, temperature))
     start = time.perf_counter()
     out = model.generate(
         input_ids, attention_mask=torch.ones_like(input_ids), **decoding_settings(temperature, plan.max_new_tokens)
@@ -98,10 +94,8 @@ def run_shard(
     if not total:
         return []
     model, tokenizer = load(plan.model)
-    warm_up = encode_prompt(tokenizer, pending[0][0].text)
-    model.generate(
-        warm_up, attention_mask=torch.ones_like(warm_up), max_new_tokens=2, do_sample=False
-    )  # first-call costs
+    warm_up = encode_prompt(tokenizer, pending[0][0].text)  # first-call costs stay out of the timed runs
+    model.generate(warm_up, attention_mask=torch.ones_like(warm_up), max_new_tokens=2, do_sample=False)
 
     records = []
     # One scheduler per configuration for the whole shard: adaptive ones learn from every prompt so far.
