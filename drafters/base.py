@@ -23,20 +23,26 @@ if TYPE_CHECKING:
 
 @dataclass
 class Draft:
-    """A proposal of `len(tokens)` tokens to follow the committed sequence.
+    """A proposal: a chain of tokens to follow the committed sequence, or a tree of them.
 
     tokens: LongTensor [k], k <= the `max_tokens` the engine asked for (k = 0 is a valid "no idea").
+    parents: LongTensor [k] or None. Node i continues node parents[i] (< i), or the pending token (the one the
+            verifier just chose) where parents[i] = -1. None is a chain: node i continues node i - 1. The
+            verifier scores every node in one forward and the engine walks from the pending token to the child
+            equal to the verifier's choice, and on. Nodes are best first: the scheduler verifies a prefix of
+            them (any prefix of a parent-before-child order is a tree).
     probs:  float tensor [k, vocab] or None. Row i is the distribution token i was drawn from, given
-            the committed sequence and tokens[:i] (rejection sampling needs the true proposal
-            distribution). None means the proposal is deterministic: q is one-hot on each token.
-    confidence: float tensor [k] or None: the drafter's own belief that each token is what the
-            verifier will choose (e.g. its probability of the token). Schedulers calibrate it into
+            the committed sequence and the tokens before it (rejection sampling needs the true proposal
+            distribution; that rule verifies chains only). None means the proposal is deterministic.
+    confidence: float tensor [k] or None: the drafter's own belief that node i is what the verifier will
+            choose once its parent was (e.g. its probability of the token). Schedulers calibrate it into
             acceptance probabilities; it never affects correctness.
     """
 
     tokens: torch.Tensor
     probs: torch.Tensor | None = None
     confidence: torch.Tensor | None = None
+    parents: torch.Tensor | None = None
 
     @staticmethod
     def empty(device: torch.device | str = "cpu") -> Draft:
@@ -46,8 +52,59 @@ class Draft:
         return self.tokens.shape[0]
 
     def truncate(self, k: int) -> Draft:
+        """The first k nodes (a tree still: parents come first)."""
         cut = lambda t: None if t is None else t[:k]  # noqa: E731
-        return Draft(self.tokens[:k], cut(self.probs), cut(self.confidence))
+        return Draft(self.tokens[:k], cut(self.probs), cut(self.confidence), cut(self.parents))
+
+    @property
+    def is_chain(self) -> bool:
+        if self.parents is None:
+            return True
+        return bool((self.parents == torch.arange(-1, len(self) - 1, device=self.parents.device)).all())
+
+    def parent_list(self) -> list[int]:
+        """parents as Python ints (a chain's spelled out)."""
+        return list(range(-1, len(self) - 1)) if self.parents is None else self.parents.tolist()
+
+    def depths(self) -> list[int]:
+        """Tokens from the pending one to each node: 1 for its children."""
+        depths: list[int] = []
+        for parent in self.parent_list():
+            depths.append(1 if parent < 0 else depths[parent] + 1)
+        return depths
+
+    def depth(self) -> int:
+        """The longest path's length: the most tokens the draft can add in one step."""
+        return max(self.depths(), default=0)
+
+    def keep(self, nodes: list[int]) -> Draft:
+        """The sub-draft of `nodes` (sorted, each node's parent among them or the pending token), renumbered."""
+        index = {node: i for i, node in enumerate(nodes)}
+        parents = self.parent_list()
+        if any(parents[n] >= 0 and parents[n] not in index for n in nodes):
+            raise ValueError(f"nodes {nodes} leave out a parent of one of them")
+        at = torch.tensor(nodes, dtype=torch.long, device=self.tokens.device)
+        pick = lambda t: None if t is None else t[at.to(t.device)]  # noqa: E731
+        renumbered = torch.tensor([index.get(parents[n], -1) for n in nodes], dtype=torch.long)
+        return Draft(
+            self.tokens[at], pick(self.probs), pick(self.confidence), renumbered.to(self.tokens.device)
+        ).chain_or_tree()
+
+    def best_chain(self) -> Draft:
+        """The path that always takes a node's first child: the draft's best chain, for verifiers that take no tree
+        mask (the output is the same; only fewer tokens may be accepted)."""
+        parents, path, last = self.parent_list(), [], -1
+        for node, parent in enumerate(parents):
+            if parent == last:
+                path.append(node)
+                last = node
+        return self.keep(path)
+
+    def chain_or_tree(self) -> Draft:
+        """This draft with parents=None if it is a chain (the form chain-only code expects)."""
+        if self.parents is not None and self.is_chain:
+            return Draft(self.tokens, self.probs, self.confidence, None)
+        return self
 
 
 @dataclass
@@ -141,7 +198,8 @@ class Drafter:
         vocab_size:    the vocabulary its token ids index; checked against the verifier's (None: any).
         tokenizer:     its tokenizer, if known; checked against the tokenizer passed to `generate`.
         hidden_layers: verifier hidden-state layers to keep for it (0 = embeddings, i = layer i).
-        max_draft_len: the most tokens it can propose in one step (a block drafter's block size).
+        max_draft_len: the most tokens it can add in one step: a chain's length, a tree's depth.
+        max_nodes:     the most nodes of a tree it proposes (None: it proposes chains, of max_draft_len).
         max_steps:     the most denoising passes it can run per draft (1 for one-pass drafters); the
                        scheduler picks 1..max_steps each step and the engine passes it as `ctx.steps`.
     """
@@ -150,7 +208,13 @@ class Drafter:
     tokenizer = None
     hidden_layers: tuple[int, ...] = ()
     max_draft_len: int = 16
+    max_nodes: int | None = None
     max_steps: int = 1
+
+    @property
+    def node_budget(self) -> int:
+        """The most nodes one draft may have: `max_nodes` for a tree drafter, else `max_draft_len` (a chain's)."""
+        return self.max_draft_len if self.max_nodes is None else self.max_nodes
 
     def reset(self, ctx: DraftContext) -> None:
         """Called once per `generate` call, after the prefill and before the first `propose`."""
@@ -164,7 +228,7 @@ class Drafter:
         return copy.copy(self)
 
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
-        """Return at most `max_tokens` tokens to follow `ctx.input_ids`."""
+        """Return a draft of at most `max_tokens` tokens (tree nodes) to follow `ctx.input_ids`."""
         raise NotImplementedError
 
     def propose_rows(self, drafters: list[Drafter], ctxs: list[DraftContext], max_tokens: list[int]) -> list[Draft]:
@@ -187,6 +251,15 @@ class Drafter:
         if not any(len(given) for given in givens):
             return self.propose_rows(drafters, ctxs, max_tokens)
         return [drafter.fill(ctx, given, k) for drafter, ctx, given, k in zip(drafters, ctxs, givens, max_tokens)]
+
+
+class NoDrafter(Drafter):
+    """Proposes nothing: every step verifies the pending token alone, i.e. plain decoding (`drafter=None`)."""
+
+    max_draft_len = 0
+
+    def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
+        return Draft.empty(ctx.input_ids.device)
 
 
 def common_prefix_length(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -229,6 +302,19 @@ def check_draft(draft: Draft, max_tokens: int, vocab_size: int, drafter_name: st
             f"{where} returned token id {int(tokens.max()) if int(tokens.min()) >= 0 else int(tokens.min())} "
             f"outside the verifier's vocabulary [0, {vocab_size})"
         )
+    parents = draft.parents
+    if parents is not None:
+        if not isinstance(parents, torch.Tensor) or tuple(parents.shape) != (k,) or parents.is_floating_point():
+            shape = tuple(parents.shape) if isinstance(parents, torch.Tensor) else type(parents).__name__
+            raise DraftError(f"{where} returned parents {shape}; expected a ({k},) integer tensor or None (a chain)")
+        bad = (parents < -1) | (parents >= torch.arange(k, device=parents.device))
+        if k and bool(bad.any()):
+            node = int(bad.nonzero()[0])
+            raise DraftError(
+                f"{where} returned parent {int(parents[node])} for node {node}: a node's parent is an earlier "
+                "node, or -1 for the pending token"
+            )
+        parents = parents.long()
     confidence = draft.confidence
     if confidence is not None:
         if not isinstance(confidence, torch.Tensor) or tuple(confidence.shape) != (k,):
@@ -237,7 +323,7 @@ def check_draft(draft: Draft, max_tokens: int, vocab_size: int, drafter_name: st
         confidence = confidence.float()
     probs = draft.probs
     if probs is None:
-        return Draft(tokens.long(), None, confidence)
+        return Draft(tokens.long(), None, confidence, parents).chain_or_tree()
     if not isinstance(probs, torch.Tensor) or tuple(probs.shape) != (k, vocab_size):
         shape = tuple(probs.shape) if isinstance(probs, torch.Tensor) else type(probs).__name__
         raise DraftError(f"{where} returned probs {shape}; expected ({k}, {vocab_size}) or None")
@@ -248,4 +334,4 @@ def check_draft(draft: Draft, max_tokens: int, vocab_size: int, drafter_name: st
         raise DraftError(f"{where} returned probs whose rows do not sum to 1")
     if k and bool((probs.gather(1, tokens.long()[:, None]) <= 0).any()):
         raise DraftError(f"{where} proposed a token its own probs give probability 0")
-    return Draft(tokens.long(), probs, confidence)
+    return Draft(tokens.long(), probs, confidence, parents).chain_or_tree()

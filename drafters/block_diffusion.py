@@ -27,6 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from drafters.base import Draft, DraftContext, Drafter, check_same_verifier
+from drafters.tree import best_first_tree, concatenate
+from verifiers.logits import process_logits
 
 CONFIG_NAME = "drafter_config.json"
 CONTEXT = "block-context"  # the side buffer of the projected context keys/values
@@ -234,6 +236,10 @@ class BlockDiffusionDrafter(Drafter):
             rejection sampling exact: every token is drawn given only tokens to its left.
         threshold: see `steps`.
         block_size: positions per block at run time (anchor included), 2..the trained block size.
+        max_nodes: propose token trees of up to this many nodes (None: chains). The tree holds the best paths
+            through the block's per-position distributions (`drafters.tree.best_first_tree`), at most
+            `branching` children per node; the scheduler verifies its best prefix. Trees need the match rule:
+            under `acceptance="rejection"` (ctx.do_sample) the drafter proposes chains.
 
     `fill` drafts the rest of a block whose first positions another drafter gave (a lookup match, in a
     `drafters.ChainDrafter`): the model reads them as known positions, as a later denoising pass does.
@@ -247,6 +253,8 @@ class BlockDiffusionDrafter(Drafter):
         steps: int = 1,
         threshold: float = 0.9,
         block_size: int | None = None,
+        max_nodes: int | None = None,
+        branching: int = 4,
     ):
         c = model.config
         block_size = c.block_size if block_size is None else block_size
@@ -256,6 +264,10 @@ class BlockDiffusionDrafter(Drafter):
             raise ValueError(f"steps must be >= 1, got {steps}")
         if not 0.0 <= threshold <= 1.0:
             raise ValueError(f"threshold must be in [0, 1], got {threshold}")
+        if (max_nodes is not None and max_nodes < 1) or branching < 1:
+            raise ValueError(
+                f"max_nodes ({max_nodes}) and branching ({branching}) must be >= 1 (max_nodes None: chains)"
+            )
         check_fingerprint(c.verifier, verifier_fingerprint(verifier))
         # On the device of the verifier's head, i.e. its last layer when device_map spreads it over GPUs.
         self.device = verifier.get_output_embeddings().weight.device
@@ -266,11 +278,14 @@ class BlockDiffusionDrafter(Drafter):
         self.hidden_layers = tuple(c.target_layers)
         self.block_size, self.max_draft_len = block_size, block_size - 1
         self.steps, self.threshold, self.max_steps = steps, threshold, steps
+        self.max_nodes, self.branching = max_nodes, branching
         weights = hashlib.sha256(
             b"".join(t.detach().cpu().float().numpy().tobytes() for t in model.state_dict().values())
         )
         # Schedulers keep acceptance statistics per drafter: another checkpoint or setting is another drafter.
         self.fingerprint = f"{weights.hexdigest()[:12]}:b{block_size}:s{steps}:t{threshold}"
+        if max_nodes is not None:
+            self.fingerprint += f":n{max_nodes}:w{branching}"
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """The verifier's embedding of `ids`, on the drafter's device (the embedding may live on another GPU)."""
@@ -430,6 +445,8 @@ class BlockDiffusionDrafter(Drafter):
         """Tokens for the first `max_tokens` draft positions: known ones as they are (the given ones with their
         probs), the rest chosen from logits."""
         vocab = self.model.draft_vocab
+        if self.max_nodes is not None and not ctx.do_sample:
+            return self._tree(ctx, logits, block, known, given_confidence, max_tokens)
         k = min(max_tokens, self.block_size - 1)
         if (
             not ctx.do_sample and not ctx.processors
@@ -465,6 +482,31 @@ class BlockDiffusionDrafter(Drafter):
             torch.stack(probs).to(device) if ctx.do_sample and probs else None,
             torch.tensor(confidence, device=device),
         )
+
+    def _tree(self, ctx, logits, block, known, given_confidence, max_tokens) -> Draft:
+        """The known leading positions as a chain, then the best-first tree of the rest over the block's
+        per-position distributions (through the verifier's processors, given the committed sequence and the chain)."""
+        device = ctx.input_ids.device
+        depth = self.block_size - 1
+        fixed = known[1:].cpu()
+        j = min(int(fixed.int().cumprod(0).sum()), max_tokens)  # the leading run of known positions
+        chain = Draft(block[1 : 1 + j].to(device), None, given_confidence[:j].to(device))
+        if j == depth or j == max_tokens:
+            return chain
+        vocab = self.model.draft_vocab
+        if ctx.processors:  # processed in the verifier's whole vocabulary, as its scores will be
+            prefix = torch.cat([ctx.input_ids, chain.tokens[None]], dim=1)
+            full = logits.new_full((depth - j, self.vocab_size), -math.inf)
+            full[:, vocab] = logits[j:depth]
+            probs = torch.stack(
+                [torch.softmax(process_logits(ctx.processors, prefix, row.float()), -1) for row in full]
+            )
+            tree = best_first_tree(probs, max_tokens - j, self.branching)
+        else:  # outside the draft vocabulary the probabilities are 0: the tree lives in its columns
+            tree = best_first_tree(torch.softmax(logits[j:depth], -1), max_tokens - j, self.branching)
+            tree.tokens = vocab[tree.tokens.to(vocab.device)]
+        tree.tokens = tree.tokens.to(device)
+        return concatenate(chain, tree)
 
 
 def check_fingerprint(expected: dict, actual: dict) -> None:

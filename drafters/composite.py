@@ -7,15 +7,16 @@ from drafters.base import Draft, DraftContext, Drafter
 
 class ChainDrafter(Drafter):
     """Drafts with `sources` in turn: the first proposes, each next one continues the draft so far (`Drafter.fill`)
-    up to its own reach, min(tokens asked, its `max_draft_len`); a source the draft already reaches that far adds
-    nothing (and does no work).
+    up to its own reach, min(nodes asked, its `node_budget`); a source adds nothing (and does no work) to a draft
+    that already has that many nodes or is already as deep as the source reaches (its `max_draft_len`).
 
     `hybrid.load_default()`'s drafter is `ChainDrafter([PromptLookupDrafter(...), BlockDiffusionDrafter(...)])`: the
     longest context match continued by the n-gram store, up to 16 tokens; where that is shorter than the block's 7,
-    the block model fills the block in, given it. A lookup longer than the block is proposed whole.
+    the block model fills the block in, given it, as a token tree below the lookup's chain. A lookup longer than the
+    block is proposed whole.
 
-    Its `vocab_size`, `tokenizer` and `hidden_layers` are its sources' (which must agree), its `max_draft_len` and
-    `max_steps` the largest of theirs (each source runs at most its own); the rows of a batch are drafted source by
+    Its `vocab_size`, `tokenizer` and `hidden_layers` are its sources' (which must agree), its `max_draft_len`,
+    `max_nodes` and `max_steps` the largest of theirs (each source runs at most its own); the rows of a batch are drafted source by
     source, each through the source's `fill_rows` (one forward for the block model).
     """
 
@@ -34,6 +35,8 @@ class ChainDrafter(Drafter):
         self.tokenizer = next((s.tokenizer for s in sources if s.tokenizer is not None), None)
         self.hidden_layers = next(iter(layers), ())
         self.max_draft_len = max(s.max_draft_len for s in sources)
+        # A tree if any source grows one: the most nodes any source reaches.
+        self.max_nodes = max(s.node_budget for s in sources) if any(s.max_nodes for s in sources) else None
         self.max_steps = max(s.max_steps for s in sources)
         # Schedulers keep acceptance statistics per drafter: other sources, or other settings of one, are another.
         self.fingerprint = " + ".join(
@@ -53,8 +56,13 @@ class ChainDrafter(Drafter):
     def propose_rows(self, drafters: list[Drafter], ctxs: list[DraftContext], max_tokens: list[int]) -> list[Draft]:
         drafts = [Draft.empty(ctx.input_ids.device) for ctx in ctxs]
         for i, source in enumerate(self.sources):
-            reach = [min(k, source.max_draft_len) for k in max_tokens]
-            rows = [r for r, draft in enumerate(drafts) if len(draft) < reach[r]]
+            reach = [min(k, source.node_budget) for k in max_tokens]
+            # A source continues a draft shallower than its reach, up to its node budget.
+            rows = [
+                r
+                for r, draft in enumerate(drafts)
+                if len(draft) < reach[r] and draft.depth() < min(max_tokens[r], source.max_draft_len)
+            ]
             if rows:
                 filled = source.fill_rows(
                     [drafters[r].sources[i] for r in rows],

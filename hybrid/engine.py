@@ -1,6 +1,9 @@
-"""The decoding loop: draft -> schedule -> verify k+1 positions in one forward -> accept -> roll back.
+"""The decoding loop: draft -> schedule -> verify the draft's nodes in one forward -> accept -> keep the path.
 
-Reads top to bottom like the data path. Arguments arrive already validated by `hybrid.generate`.
+Reads top to bottom like the data path. Arguments arrive already validated by `hybrid.generate`. A draft is a
+chain or a token tree; the verifier scores every node at once, the acceptance rule walks from the pending token
+into the child equal to the verifier's choice, and the cache keeps the walked path (`SharedCache.keep`). No
+drafter is `NoDrafter`, which proposes nothing: plain decoding is the same loop.
 A batch is one forward per step over every unfinished row: each row drafts, is verified and accepts
 on its own (rows accept different numbers of tokens; the cache keeps one length per row), exactly as
 it would alone; rows that finish leave the batch.
@@ -10,15 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import math
-import time
 from dataclasses import dataclass
 
 import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 
-from drafters.base import Draft, DraftContext, Drafter, DraftError, check_draft
+from drafters.base import Draft, DraftContext, Drafter, DraftError, NoDrafter, check_draft
 from hybrid.acceptance import sample, speculative_step
-from hybrid.stats import GenerationStats
+from hybrid.stats import GenerationStats, Stopwatch
 from schedulers.base import Scheduler
 from verifiers.logits import process_logits
 from verifiers.verifier import Verifier
@@ -50,7 +52,7 @@ class _Row:
         self.drafter: Drafter | None = None
         self.draft = Draft.empty(input_ids.device)  # this step's draft, after the scheduler's cut
         self.draft_time = 0.0  # this step's drafting seconds
-        self.accepted = 0  # this step's accepted drafts
+        self.accepted: list[int] = []  # this step's accepted nodes, from the pending token down
 
     def emit(self, token: int, scores: torch.Tensor, logits: torch.Tensor) -> None:
         self.ids = torch.cat([self.ids, self.ids.new_tensor([[token]])], dim=1)
@@ -92,169 +94,186 @@ def decode(
     makes it (argmax, or one multinomial draw from the caller's RNG); "rejection" is speculative sampling's
     min(1, p/q) rule, which trusts `Draft.probs` to be what each token was drawn from.
     """
-    start = time.perf_counter()
+    clock = Stopwatch()
+    drafter = drafter or NoDrafter()
     max_length = math.ceil(max_length)  # `generate` stops at the first length >= max_length, a float included
     rows = [
         _Row(ids, kept, procs, stopping_criteria, streamer, keep_scores, keep_logits) for ids, kept, procs in prompts
     ]
     if streamer is not None:
         streamer.put(rows[0].ids.cpu())  # as `generate` does; TextStreamer(skip_prompt=True) drops it
-    vocab_size = verifier.vocab_size
-    draft_len = drafter.max_draft_len if drafter is not None else 0
+    rejection = do_sample and acceptance == "rejection"  # drafts sampled, with their probs, for min(1, p/q)
 
     def choose(scores: torch.Tensor) -> int:
         """The verifier's own token from its processed scores, as `generate` picks it."""
         return sample(torch.softmax(scores, dim=-1), generator) if do_sample else int(scores.argmax())
 
     # Prefill: the first new token of every row is the verifier's, exactly as in `generate`.
-    logits = verifier.prefill_rows([row.prompt_tokens for row in rows], capacity=max_length + draft_len + 1)
+    logits = verifier.prefill_rows([row.prompt_tokens for row in rows], capacity=max_length + drafter.node_budget + 1)
     for row, row_logits in zip(rows, logits):
         scores = process_logits(row.processors, row.ids, row_logits)
         row.emit(choose(scores), scores, row_logits)
         row.stream(1)
         row.stats.record(drafted=0, accepted=0, emitted=1)
-    prefill_time = time.perf_counter() - start
-    for row in rows:
-        row.stats.prefill_time = prefill_time
-    if drafter is not None:
-        scheduler.reset(drafter, verifier.model)
-        scheduler.set_verify_width(verifier.padded_width)
-    # Under "match" the verifier's draws are `generate`'s own, from the caller's RNG: drafters propose their best
-    # guesses (the most likely to match) and whatever they draw comes from a fork of the global RNG.
-    rejection = do_sample and acceptance == "rejection"  # drafts sampled, with their probs, for min(1, p/q)
-    protect_rng = do_sample and not rejection
-    device = verifier.model.device
-    rng_devices = (
-        [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
-    )
+    prefill_time = clock.lap()
+    scheduler.reset(drafter, verifier.model)
+    scheduler.set_verify_width(verifier.padded_width)
     for b, row in enumerate(rows):
+        row.stats.prefill_time = prefill_time
         row.ctx = DraftContext(
             row.unmasked_ids(), rejection, row.processors, generator if rejection else None, verifier, row=b
         )
-        if drafter is not None:
-            # Each row drafts with its own copy (weights shared, per-sequence state separate).
-            row.drafter = drafter if len(rows) == 1 else drafter.fork()
-            row.drafter.reset(row.ctx)
+        # Each row drafts with its own copy (weights shared, per-sequence state separate).
+        row.drafter = drafter if len(rows) == 1 else drafter.fork()
+        row.drafter.reset(row.ctx)
 
     active = _drop_finished(verifier, rows)
     while active:
-        # Draft, each row on its own. Room: never past max_length (the bonus token needs a slot) or the context.
-        t0 = time.perf_counter()
-        max_k = min(scheduler.max_draft_length(), draft_len) if drafter is not None else 0
-        steps = scheduler.denoising_steps() if drafter is not None else 1
-        if drafter is not None and not 1 <= steps <= drafter.max_steps:
+        clock.lap()
+        budget = min(scheduler.max_draft_length(), drafter.node_budget)
+        steps = scheduler.denoising_steps()
+        if not 1 <= steps <= drafter.max_steps:
             raise ValueError(
                 f"{type(scheduler).__name__}.denoising_steps returned {steps}; expected 1..{drafter.max_steps}"
             )
-        schedule_time = time.perf_counter() - t0
-        asks = {}  # row -> how many tokens it may draft
-        for row in active:
-            room = max_length - row.ids.shape[1] - 1
-            row.draft, row.draft_time = Draft.empty(row.ids.device), 0.0
-            if min(max_k, room) > 0:
-                row.ctx.input_ids, row.ctx.steps = row.unmasked_ids(), steps
-                asks[row] = min(max_k, room)
-        if asks:  # all rows at once: a drafter may serve them in one forward; each row is charged its share
-            t1 = time.perf_counter()
-            with torch.random.fork_rng(rng_devices) if protect_rng else contextlib.nullcontext():
-                drafts = drafter.propose_rows(
-                    [row.drafter for row in asks], [row.ctx for row in asks], list(asks.values())
-                )
-            if not isinstance(drafts, list) or len(drafts) != len(asks):
-                raise DraftError(
-                    f"{type(drafter).__name__}.propose_rows returned {type(drafts).__name__} of "
-                    f"{len(drafts) if isinstance(drafts, list) else '?'} drafts for {len(asks)} rows: "
-                    "return a list with one Draft per row"
-                )
-            for (row, k), draft in zip(asks.items(), drafts):
-                row.draft = check_draft(draft, k, vocab_size, type(drafter).__name__)
-            share = (time.perf_counter() - t1) / len(asks)
-            for row in asks:
-                row.draft_time = share
-                row.stats.draft_time += share
-        t2 = time.perf_counter()
-        ks = scheduler.select_batch([row.draft for row in active]) if drafter is not None else [0] * len(active)
+        schedule_time = clock.lap()
+        _draft(drafter, active, budget, steps, max_length, rejection, verifier, do_sample)
+        draft_time = clock.lap()
+        ks = scheduler.select_batch([row.draft for row in active])
         for row, k in zip(active, ks):
             if not 0 <= k <= len(row.draft):
                 raise ValueError(f"{type(scheduler).__name__}.select returned {k}; expected 0..{len(row.draft)}")
             row.draft = row.draft.truncate(k)
-        schedule_time += time.perf_counter() - t2
-
-        # Verify: [pending, d_1 .. d_k] for every row in one forward; short rows are padded with
-        # their pending token, whose scores are never read (and whose slots the rollback drops).
-        t3 = time.perf_counter()
-        width = 1 + max(len(row.draft) for row in active)
-        fed = torch.stack(
-            [
-                torch.cat(
-                    [
-                        row.ids[0, -1:],
-                        row.draft.tokens.to(row.ids.device),
-                        row.ids[0, -1:].expand(width - 1 - len(row.draft)),
-                    ]
-                )
-                for row in active
-            ]
+            if not verifier.takes_trees:  # its attention takes no tree mask: the best chain, same output
+                row.draft = row.draft.best_chain()
+        schedule_time += clock.lap()
+        _verify(verifier, active, rejection, choose, generator)
+        verify_time = clock.lap()
+        scheduler.update_batch(
+            [row.draft for row in active],
+            [row.accepted for row in active],
+            [row.draft_time for row in active],
+            verify_time,
         )
-        # [rows, width, vocab]: the verifier's view after each fed token
-        logits = verifier.verify_rows(fed, real=[1 + len(row.draft) for row in active])
-        drop = []
-        for row, row_logits in zip(active, logits):
-            emitted = _accept(row, row_logits, rejection, choose, generator)
-            drop.append(width - emitted)  # the cache keeps every committed token but the newest
-        verifier.rollback_rows(drop)
-        verify_time = time.perf_counter() - t3
-        t4 = time.perf_counter()
-        if drafter is not None:
-            scheduler.update_batch(
-                [row.draft for row in active],
-                [row.accepted for row in active],
-                [row.draft_time for row in active],
-                verify_time,
-            )
-        schedule_time += time.perf_counter() - t4
-        for row in active:  # a row's share of the batched forward is its verify cost
+        schedule_time += clock.lap()
+        for row in active:  # a row's share of the batched forward is its cost
+            row.stats.draft_time += draft_time / len(active)
             row.stats.verify_time += verify_time / len(active)
             row.stats.schedule_time += schedule_time / len(active)
         active = _drop_finished(verifier, active)
 
     if streamer is not None:
         streamer.end()
-    total = time.perf_counter() - start
     if len(rows) == 1:
         stats = rows[0].stats
     else:  # steps of every row, their draft/verify/schedule shares summed; one prefill and one call
         stats = GenerationStats.combined([row.stats for row in rows])
         stats.prefill_time = prefill_time
-    stats.total_time = total
+    stats.total_time = clock.total()
     return DecodeResult([row.ids for row in rows], rows[0].scores, rows[0].logits, stats)
 
 
-def _accept(row: _Row, logits: torch.Tensor, rejection: bool, choose, generator) -> int:
-    """Run the acceptance rule over one row's verified positions; emit, and return how many tokens it emitted.
+def _draft(drafter, active, budget, steps, max_length, rejection, verifier, do_sample) -> None:
+    """Each row's draft for this step, of at most `budget` nodes and never past max_length (the bonus token needs
+    a slot): all rows asked at once, so a drafter may serve them in one forward."""
+    asks = {}  # row -> how many nodes it may draft
+    for row in active:
+        room = max_length - row.ids.shape[1] - 1  # a draft of at most `room` nodes is at most `room` deep
+        row.draft, row.draft_time = Draft.empty(row.ids.device), 0.0
+        if min(budget, room) > 0:
+            row.ctx.input_ids, row.ctx.steps = row.unmasked_ids(), steps
+            asks[row] = min(budget, room)
+    if not asks:
+        return
+    clock = Stopwatch()
+    # Under "match" the verifier's draws are `generate`'s own, from the caller's RNG: drafters propose their best
+    # guesses (the most likely to match) and whatever they draw comes from a fork of the global RNG.
+    device = verifier.model.device
+    rng_devices = (
+        [torch.cuda.current_device() if device.index is None else device.index] if device.type == "cuda" else []
+    )
+    with torch.random.fork_rng(rng_devices) if do_sample and not rejection else contextlib.nullcontext():
+        drafts = drafter.propose_rows([row.drafter for row in asks], [row.ctx for row in asks], list(asks.values()))
+    if not isinstance(drafts, list) or len(drafts) != len(asks):
+        raise DraftError(
+            f"{type(drafter).__name__}.propose_rows returned {type(drafts).__name__} of "
+            f"{len(drafts) if isinstance(drafts, list) else '?'} drafts for {len(asks)} rows: "
+            "return a list with one Draft per row"
+        )
+    share = clock.lap() / len(asks)
+    for (row, k), draft in zip(asks.items(), drafts):
+        row.draft = check_draft(draft, k, verifier.vocab_size, type(drafter).__name__)
+        if rejection and not row.draft.is_chain:
+            raise DraftError(
+                f"{type(drafter).__name__} proposed a tree under acceptance='rejection', which verifies chains "
+                "(min(1, p/q) along one path): propose a chain when ctx.do_sample is set"
+            )
+        row.draft_time = share
+
+
+def _verify(verifier: Verifier, active: list[_Row], rejection: bool, choose, generator) -> None:
+    """Score [pending, the draft's nodes] of every row in one forward, accept, and keep the accepted path's cache.
+
+    Short rows are padded with their pending token, whose scores are never read (and whose slots are dropped)."""
+    width = 1 + max(len(row.draft) for row in active)
+    fed = torch.stack(
+        [
+            torch.cat(
+                [
+                    row.ids[0, -1:],
+                    row.draft.tokens.to(row.ids.device),
+                    row.ids[0, -1:].expand(width - 1 - len(row.draft)),
+                ]
+            )
+            for row in active
+        ]
+    )
+    trees = any(not row.draft.is_chain for row in active)
+    parents = [row.draft.parent_list() for row in active] if trees else None
+    # [rows, width, vocab]: the verifier's view after each fed token and what it continues
+    logits = verifier.verify_rows(fed, real=[1 + len(row.draft) for row in active], parents=parents)
+    # The cache keeps every committed token but the newest: the pending token and the accepted path.
+    verifier.keep_rows(
+        [_accept(row, row_logits, rejection, choose, generator) for row, row_logits in zip(active, logits)]
+    )
+
+
+def _accept(row: _Row, logits: torch.Tensor, rejection: bool, choose, generator) -> list[int]:
+    """Walk the row's draft from the pending token: at each position the acceptance rule gives the token to emit,
+    and the walk goes on into the child that proposed it. Returns the fed offsets the cache keeps.
 
     Every emitted token but a rejection-sampling correction is the verifier's own `choose`, in sequence order."""
-    draft, k = row.draft, len(row.draft)
-    accepted = emitted = 0
-    for i in range(k + 1):
-        scores = process_logits(row.processors, row.ids, logits[i])
-        if i == k:  # every draft accepted: the bonus token comes from the verifier alone
-            token, ok = choose(scores), False
-        elif rejection:
-            q = None if draft.probs is None else draft.probs[i]
-            ok, token = speculative_step(torch.softmax(scores, -1), q, int(draft.tokens[i]), generator)
+    draft = row.draft
+    children: dict[int, list[int]] = {}  # fed offset -> its children's node indices, in draft order
+    for node, parent in enumerate(draft.parent_list()):
+        children.setdefault(parent + 1, []).append(node)
+    tokens = draft.tokens.tolist()
+    at, path, accepted = 0, [0], []  # the fed offset walked to, the offsets walked, the nodes accepted
+    while True:
+        scores = process_logits(row.processors, row.ids, logits[at])
+        kids = children.get(at, [])
+        if not kids:  # the end of a branch: the bonus token comes from the verifier alone
+            token, node = choose(scores), None
+        elif rejection:  # a chain: one child
+            q = None if draft.probs is None else draft.probs[kids[0]]
+            ok, token = speculative_step(torch.softmax(scores, -1), q, tokens[kids[0]], generator)
+            node = kids[0] if ok else None
         else:
             token = choose(scores)
-            ok = token == int(draft.tokens[i])
-        row.emit(token, scores, logits[i])
-        emitted += 1
-        accepted += ok
-        if row.finished or not ok:
+            node = next((kid for kid in kids if tokens[kid] == token), None)
+        row.emit(token, scores, logits[at])
+        if node is None or row.finished:
             break
+        accepted.append(node)
+        at = node + 1
+        path.append(at)
+    if node is not None:  # stopped on an accepted token
+        accepted.append(node)
+    emitted = len(accepted) + (node is None)
     row.accepted = accepted
     row.stream(emitted)
-    row.stats.record(drafted=k, accepted=accepted, emitted=emitted)
-    return emitted
+    row.stats.record(drafted=len(draft), accepted=len(accepted), emitted=emitted)
+    return path[:emitted]
 
 
 def _drop_finished(verifier: Verifier, active: list[_Row]) -> list[_Row]:

@@ -187,7 +187,7 @@ def generate(
         model,
         hidden_layers=drafter.hidden_layers if drafter is not None else (),
         static=static,
-        max_width=1 + (drafter.max_draft_len if drafter is not None else 0),
+        max_width=1 + (drafter.node_budget if drafter is not None else 0),
         compile_config=_compile_config(model, config) if static else None,
     )
     _check_context(verifier, prompt_len, config.max_length)
@@ -432,6 +432,8 @@ def _check_drafter(drafter, verifier: Verifier, tokenizer) -> None:
         )
     if not isinstance(drafter.max_draft_len, int) or drafter.max_draft_len < 1:
         raise ValueError(f"{name}.max_draft_len must be a positive int, got {drafter.max_draft_len!r}")
+    if drafter.max_nodes is not None and (not isinstance(drafter.max_nodes, int) or drafter.max_nodes < 1):
+        raise ValueError(f"{name}.max_nodes must be a positive int or None (chains), got {drafter.max_nodes!r}")
     if not isinstance(drafter.max_steps, int) or drafter.max_steps < 1:
         raise ValueError(f"{name}.max_steps must be a positive int, got {drafter.max_steps!r}")
 

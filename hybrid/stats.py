@@ -2,15 +2,31 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
+
+
+class Stopwatch:
+    """Wall-clock laps: `lap()` returns the seconds since the last lap (or the start), `total()` since the start."""
+
+    def __init__(self):
+        self.start = self.last = time.perf_counter()
+
+    def lap(self) -> float:
+        now = time.perf_counter()
+        seconds, self.last = now - self.last, now
+        return seconds
+
+    def total(self) -> float:
+        return time.perf_counter() - self.start
 
 
 @dataclass
 class GenerationStats:
     """Per verifier forward ("step"); step 0 is the prefill, which drafts nothing and emits one token.
 
-    drafted:  tokens the verifier scored beyond the pending one (k).
-    accepted: how many of them the acceptance rule kept.
+    drafted:  tokens (tree nodes) the verifier scored beyond the pending one.
+    accepted: how many of them the acceptance rule kept (one path of a tree).
     emitted:  tokens appended by the step: accepted + 1 (the verifier's own correction or bonus
               token), fewer only on the last step when EOS or a stopping criterion cut it short.
     Times are seconds of wall clock: drafting, verification (forward + acceptance), the prefill, and

@@ -1,8 +1,10 @@
 """Schedulers that read the drafter's confidence: cut the draft where verifying more stops paying.
 
-Both predict, for each drafted position i, the calibrated probability a_i that it is accepted given
-that positions 1..i-1 were (`AcceptanceModel`). The probability that the first j are all accepted
-is prod_{i<=j} a_i, so the expected number accepted when verifying k is E(k) = sum_{j<=k} prod_{i<=j} a_i.
+Both predict, for each drafted node i, the calibrated probability a_i that it is accepted given that its
+parent was (`AcceptanceModel`). Node i is reached (its whole path accepted) with probability
+r_i = a_i r_parent(i), the pending token's r being 1, and accepting a node adds one token, so verifying the
+first k nodes accepts E(k) = sum_{i<k} r_i tokens on average. For a chain r_j = prod_{i<=j} a_i; in a tree
+siblings exclude each other (the verifier picks one token), and their r's add.
 """
 
 from __future__ import annotations
@@ -27,10 +29,23 @@ def pair_fingerprint(drafter, model) -> dict:
     }
 
 
-def expected_accepted(conditional: list[float]) -> list[float]:
-    """[E(0), E(1), ..., E(k)]: expected accepted tokens when verifying the first k drafts."""
-    survive = itertools.accumulate(conditional, lambda a, b: a * b)
-    return [0.0, *itertools.accumulate(survive)]
+def reach_probabilities(conditional: list[float], parents: list[int]) -> list[float]:
+    """r_i: the probability that node i's whole path is accepted."""
+    reach: list[float] = []
+    for a, parent in zip(conditional, parents):
+        reach.append(a * (1.0 if parent < 0 else reach[parent]))
+    return reach
+
+
+def expected_accepted(conditional: list[float], parents: list[int] | None = None) -> list[float]:
+    """[E(0), E(1), ..., E(k)]: expected accepted tokens when verifying the first k nodes (a chain: parents None)."""
+    parents = list(range(-1, len(conditional) - 1)) if parents is None else parents
+    return [0.0, *itertools.accumulate(reach_probabilities(conditional, parents))]
+
+
+def draft_expectation(acceptance, draft: Draft) -> list[float]:
+    """E(0..len(draft)) for `draft` under the calibrated acceptance model."""
+    return expected_accepted(acceptance.predict(draft), draft.parent_list())
 
 
 class _Calibrated(Scheduler):
@@ -57,12 +72,13 @@ class _Calibrated(Scheduler):
     def max_draft_length(self) -> int:
         return self.max_draft_len
 
-    def update(self, draft: Draft, accepted: int, draft_time: float, verify_time: float) -> None:
+    def update(self, draft: Draft, accepted: list[int], draft_time: float, verify_time: float) -> None:
         self.acceptance.update(draft, accepted)
 
 
 class ConfidenceScheduler(_Calibrated):
-    """Verify the longest prefix whose probability of being accepted whole is at least `threshold`."""
+    """Verify the longest prefix of nodes each of which is reached (its path accepted whole) with probability at
+    least `threshold`."""
 
     def __init__(self, threshold: float = 0.3, calibration: str | None = None):
         if not 0.0 <= threshold <= 1.0:
@@ -71,10 +87,9 @@ class ConfidenceScheduler(_Calibrated):
         self.threshold = threshold
 
     def select(self, draft: Draft) -> int:
-        k, whole = 0, 1.0
-        for a in self.acceptance.predict(draft):
-            whole *= a
-            if whole < self.threshold:
+        k = 0
+        for reach in reach_probabilities(self.acceptance.predict(draft), draft.parent_list()):
+            if reach < self.threshold:
                 break
             k += 1
         return max(k, 1) if len(draft) else 0  # always verify one: keeps the calibration learning
@@ -92,7 +107,7 @@ def default_scheduler(drafter, model) -> Scheduler:
 
 
 class CostAwareScheduler(_Calibrated):
-    """Pick k maximising expected emitted tokens per second: (E(k) + 1) / (draft cost + verify cost(k + 1)).
+    """Pick k (nodes) maximising expected emitted tokens per second: (E(k) + 1) / (draft cost + verify cost(k + 1)).
 
     Verify cost comes from a `VerifyCostModel` measured on this device at start-up (cached) and
     rescaled by observed verify times; draft cost is the running mean of observed draft times.
@@ -155,11 +170,11 @@ class CostAwareScheduler(_Calibrated):
                 return max(range(1, len(rate)), key=rate.__getitem__)
         return best
 
-    def update(self, draft: Draft, accepted: int, draft_time: float, verify_time: float) -> None:
+    def update(self, draft: Draft, accepted: list[int], draft_time: float, verify_time: float) -> None:
         super().update(draft, accepted, draft_time, verify_time)
         self.verify_costs.observe(self.verify_width(len(draft) + 1), verify_time)
         self.draft_cost += 0.05 * (draft_time - self.draft_cost)
-        self._observe_steps(accepted + 1, draft_time + verify_time)
+        self._observe_steps(len(accepted) + 1, draft_time + verify_time)
 
     def select_batch(self, drafts: list[Draft]) -> list[int]:
         """One width for the batch, chosen for expected tokens per second over all rows; each row verifies
@@ -175,7 +190,7 @@ class CostAwareScheduler(_Calibrated):
         return [min(best, len(draft)) for draft in drafts]
 
     def update_batch(
-        self, drafts: list[Draft], accepted: list[int], draft_times: list[float], verify_time: float
+        self, drafts: list[Draft], accepted: list[list[int]], draft_times: list[float], verify_time: float
     ) -> None:
         if len(drafts) == 1:
             return self.update(drafts[0], accepted[0], draft_times[0], verify_time)
@@ -183,12 +198,12 @@ class CostAwareScheduler(_Calibrated):
             self.acceptance.update(draft, kept)
             self.draft_cost += 0.05 * (draft_time - self.draft_cost)
         self.verify_costs.observe(len(drafts) * self.verify_width(1 + max(len(d) for d in drafts)), verify_time)
-        self._observe_steps(sum(accepted) + len(drafts), sum(draft_times) + verify_time)
+        self._observe_steps(sum(map(len, accepted)) + len(drafts), sum(draft_times) + verify_time)
 
     def expected_batch_rates(self, drafts: list[Draft]) -> list[float]:
         """Expected emitted tokens per second of the whole batch for widths w = 0..max draft: the rows'
         E(min(w, k_r)) + 1 over their draft costs plus one forward of rows x (w + 1) tokens."""
-        expected = [expected_accepted(self.acceptance.predict(draft)) for draft in drafts]
+        expected = [draft_expectation(self.acceptance, draft) for draft in drafts]
         rows = len(drafts)
         return [
             (sum(e[min(w, len(e) - 1)] + 1 for e in expected))
@@ -198,7 +213,7 @@ class CostAwareScheduler(_Calibrated):
 
     def expected_rates(self, draft: Draft) -> list[float]:
         """The objective for k = 0..len(draft): expected emitted tokens per second."""
-        expected = expected_accepted(self.acceptance.predict(draft))
+        expected = draft_expectation(self.acceptance, draft)
         return [
             (expected[k] + 1) / (self.draft_cost + self.verify_costs.cost(self.verify_width(k + 1)))
             for k in range(len(draft) + 1)

@@ -11,13 +11,16 @@ def unpadded(m: int) -> int:
 
 class Scheduler:
     """Each step the engine asks `max_draft_length()` before drafting, `select(draft)` after it, and
-    reports the outcome to `update`. `reset` starts a new `generate` call."""
+    reports the outcome to `update`. `reset` starts a new `generate` call. A draft is a chain or a token tree
+    (`drafters.Draft`); "tokens" below are its nodes, best first, and a selection is a prefix of them."""
 
     verify_width = staticmethod(unpadded)  # see `set_verify_width`
 
     def reset(self, drafter, model=None) -> None:
-        """Start a generation: `drafter` proposes (at most `drafter.max_draft_len` tokens), `model` verifies."""
+        """Start a generation: `drafter` proposes (at most `drafter.node_budget` nodes, at most
+        `drafter.max_draft_len` deep), `model` verifies."""
         self.max_draft_len = drafter.max_draft_len
+        self.max_nodes = drafter.node_budget
         self.max_steps = getattr(drafter, "max_steps", 1)
 
     def set_verify_width(self, width) -> None:
@@ -27,8 +30,8 @@ class Scheduler:
         self.verify_width = width
 
     def max_draft_length(self) -> int:
-        """How many tokens to ask the drafter for."""
-        raise NotImplementedError
+        """How many tokens (tree nodes) to ask the drafter for. Default: as many as it drafts."""
+        return self.max_nodes
 
     def denoising_steps(self) -> int:
         """How many denoising passes the drafter runs this step (1..its max_steps). Default: all of them."""
@@ -38,9 +41,9 @@ class Scheduler:
         """How many of the drafted tokens to verify (a prefix of the draft). Default: all of them."""
         return len(draft)
 
-    def update(self, draft: Draft, accepted: int, draft_time: float, verify_time: float) -> None:
-        """Learn from a step: the verifier scored `draft` and kept its first `accepted` tokens;
-        drafting took `draft_time` seconds and verification `verify_time`."""
+    def update(self, draft: Draft, accepted: list[int], draft_time: float, verify_time: float) -> None:
+        """Learn from a step: the verifier scored `draft` and kept its nodes `accepted` (a path from the pending
+        token: a chain's first len(accepted)); drafting took `draft_time` seconds and verification `verify_time`."""
 
     # A batch verifies every row in one forward of width 1 + max(k): padding a row's draft to that
     # width costs nothing extra. The defaults treat rows one by one, each charged its share of the forward.
@@ -50,16 +53,17 @@ class Scheduler:
         return [self.select(draft) if len(draft) else 0 for draft in drafts]
 
     def update_batch(
-        self, drafts: list[Draft], accepted: list[int], draft_times: list[float], verify_time: float
+        self, drafts: list[Draft], accepted: list[list[int]], draft_times: list[float], verify_time: float
     ) -> None:
-        """Learn from a batched step: row r verified drafts[r] and kept accepted[r]; one forward took `verify_time`."""
+        """Learn from a batched step: row r verified drafts[r] and kept its nodes accepted[r]; one forward took
+        `verify_time`."""
         for draft, kept, draft_time in zip(drafts, accepted, draft_times):
             self.update(draft, kept, draft_time, verify_time / len(drafts))
 
 
-def check_k(k: int, max_draft_len: int) -> None:
-    if not isinstance(k, int) or not 1 <= k <= max_draft_len:
-        raise ValueError(f"draft length k={k!r} must be an int in 1..{max_draft_len} (the drafter's max_draft_len)")
+def check_k(k: int, max_nodes: int) -> None:
+    if not isinstance(k, int) or not 1 <= k <= max_nodes:
+        raise ValueError(f"draft length k={k!r} must be an int in 1..{max_nodes} (the drafter's node_budget)")
 
 
 class FixedScheduler(Scheduler):
@@ -72,7 +76,7 @@ class FixedScheduler(Scheduler):
         self.k, self.steps = k, steps
 
     def reset(self, drafter, model=None) -> None:
-        check_k(self.k, drafter.max_draft_len)
+        check_k(self.k, drafter.node_budget)
         super().reset(drafter, model)
         if self.steps is not None and self.steps > self.max_steps:
             raise ValueError(
@@ -96,12 +100,13 @@ class HeuristicScheduler(Scheduler):
 
     def reset(self, drafter, model=None) -> None:
         super().reset(drafter, model)
-        self.k = min(self.initial, self.max_draft_len)
+        self.k = min(self.initial, self.max_nodes)
 
     def max_draft_length(self) -> int:
         return self.k
 
-    def update(self, draft: Draft, accepted: int, draft_time: float, verify_time: float) -> None:
+    def update(self, draft: Draft, accepted: list[int], draft_time: float, verify_time: float) -> None:
         if len(draft) == 0:
             return  # the drafter had nothing to say: no evidence either way
-        self.k = min(self.k + 2, self.max_draft_len) if accepted == len(draft) else max(1, self.k - 1)
+        whole = len(accepted) == draft.depth()  # the walk reached the end of the draft
+        self.k = min(self.k + 2, self.max_nodes) if whole else max(1, self.k - 1)

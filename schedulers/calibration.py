@@ -1,6 +1,6 @@
-"""Calibrated acceptance: P(draft token i is accepted | tokens 1..i-1 were), learned from history.
+"""Calibrated acceptance: P(a drafted node is accepted | its parent was), learned from history.
 
-Cells are (block position, confidence bin). A drafter without confidences uses one bin per
+Cells are (depth, confidence bin): a chain's node i is at depth i + 1. A drafter without confidences uses one bin per
 position. Each cell's estimate shrinks toward its bin's estimate pooled over a position class
 (the first drafted position, which decides most steps, or all later ones, which are accepted far
 more often once the first is), and that toward a prior (the bin's confidence, or 1/2), so a few
@@ -35,13 +35,17 @@ class AcceptanceModel:
         self.accepted = torch.zeros_like(self.tried)
 
     def predict(self, draft: Draft) -> list[float]:
-        """Conditional acceptance probability of each drafted position."""
+        """Each node's probability of acceptance given its parent's (or, at depth 1, the pending token)."""
         bins = confidence_bins(draft)
+        positions = [d - 1 for d in draft.depths()]
         # Pooled per (position class, bin) first, then each (position, bin) cell shrunk toward it.
         tried_class = (self.tried[0], self.tried[1:].sum(0))
         accepted_class = (self.accepted[0], self.accepted[1:].sum(0))
         result = []
-        for position, b in enumerate(bins[: self.tried.shape[0]]):
+        for position, b in zip(positions, bins):
+            if position >= self.tried.shape[0]:  # beyond the calibrated depths: assume rejection
+                result.append(0.0)
+                continue
             prior = 0.5 if b == NO_CONFIDENCE else (b + 0.5) / NUM_BINS
             c = min(position, 1)
             pooled = (float(accepted_class[c][b]) + PRIOR_STRENGTH * prior) / (
@@ -51,15 +55,17 @@ class AcceptanceModel:
                 float(self.tried[position, b]) + PRIOR_STRENGTH
             )
             result.append(cell)
-        return result + [0.0] * (len(bins) - len(result))  # beyond the calibrated positions: assume rejection
+        return result
 
-    def update(self, draft: Draft, accepted: int) -> None:
-        """Positions 1..accepted were accepted; position accepted+1 (if drafted) was the first rejection."""
-        bins = confidence_bins(draft)
-        reached = min(accepted + 1, len(bins), self.tried.shape[0])
-        for position in range(reached):
-            self.tried[position, bins[position]] += 1
-            self.accepted[position, bins[position]] += position < accepted
+    def update(self, draft: Draft, accepted: list[int]) -> None:
+        """The nodes `accepted` (a path from the pending token) were accepted: every child of the pending token and
+        of an accepted node was tried, and only the path's were accepted."""
+        bins, depths, kept = confidence_bins(draft), draft.depths(), set(accepted)
+        for node, parent in enumerate(draft.parent_list()):
+            position = depths[node] - 1
+            if (parent < 0 or parent in kept) and position < self.tried.shape[0]:
+                self.tried[position, bins[node]] += 1
+                self.accepted[position, bins[node]] += node in kept
 
     def save(self, path: str | Path) -> None:
         data = {"fingerprint": self.fingerprint, "tried": self.tried.tolist(), "accepted": self.accepted.tolist()}

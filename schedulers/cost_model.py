@@ -2,9 +2,9 @@
 
 The curve is not smooth: on the 2-core CPU this project was measured on, SmolLM2-135M costs 55 ms for
 m = 1, 90-110 ms for m = 2-3 but 73-80 ms for m = 4-5 (matrix kernels change with the shape). So every
-m from 1 to 17 is timed (best of 2 forwards on a 64-token context, ~3 s), once per (model, dtype,
-device, threads), and cached on disk; later runs read the cache in well under a millisecond. Sizes
-beyond the table are extrapolated linearly. During a run, observed verify times rescale the curve (machine load changes), so
+m from 1 to 17 is timed, and tree widths up to 65 (best of 2 forwards on a 64-token context, ~3 s), once per
+(model, dtype, device, threads), and cached on disk; later runs read the cache in well under a millisecond.
+Sizes between are interpolated and beyond the table extrapolated linearly. During a run, observed verify times rescale the curve (machine load changes), so
 the table only has to get the shape right.
 """
 
@@ -20,7 +20,8 @@ from transformers import DynamicCache
 from verifiers.cache import learned_position_limit
 from verifiers.embedded import cache_dir
 
-PROBE_SIZES = tuple(range(1, 18))  # a block of 16 drafts + the pending token
+# Every width of a chain of up to 16 drafts + the pending token, then tree widths (the curve is smooth there).
+PROBE_SIZES = (*range(1, 18), 24, 33, 49, 65)
 CONTEXT = 64
 
 
@@ -36,6 +37,7 @@ def device_key(model) -> str:
         str(model.device),
         str(torch.get_num_threads()),
         torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else "",
+        ",".join(map(str, PROBE_SIZES)),  # a table of other sizes is measured again
     ]
     return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
 

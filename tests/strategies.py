@@ -99,6 +99,73 @@ class LyingDrafter(Drafter):
         return Draft(torch.full((max_tokens,), self.token), probs)
 
 
+class RandomTreeDrafter(Drafter):
+    """A token-tree drafter of random shapes: a deep chain, a wide fan, duplicate siblings, EOS inside branches,
+    random garbage, and the verifier's own greedy path (from `guide`, a drafter) with random siblings around each
+    of its nodes, so that walks go deep and take children that are not the first."""
+
+    max_draft_len = 8
+    max_nodes = 24
+
+    def __init__(self, vocab_size: int, eos_token_id: int | None, seed: int, guide: Drafter | None = None):
+        self.vocab_size, self.eos, self.guide = vocab_size, eos_token_id, guide
+        self.rng = torch.Generator().manual_seed(seed)
+
+    def reset(self, ctx: DraftContext) -> None:
+        if self.guide is not None:
+            self.guide.reset(ctx)
+
+    def fork(self) -> RandomTreeDrafter:
+        twin = copy.copy(self)
+        twin.guide = None if self.guide is None else self.guide.fork()
+        return twin
+
+    def _int(self, high: int) -> int:
+        return int(torch.randint(0, high, (), generator=self.rng))
+
+    def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
+        tokens: list[int] = []
+        parents: list[int] = []
+
+        def add(token: int, parent: int) -> int:
+            if len(tokens) < max_tokens:
+                tokens.append(token)
+                parents.append(parent)
+            return len(tokens) - 1
+
+        shape = self._int(6)
+        random_token = lambda: self._int(self.vocab_size)  # noqa: E731
+        if shape == 0:  # a deep chain
+            parent = -1
+            for _ in range(self._int(max_tokens + 1)):
+                parent = add(random_token(), parent)
+        elif shape == 1:  # a wide fan under the pending token
+            for _ in range(self._int(max_tokens + 1)):
+                add(random_token(), -1)
+        elif shape == 2:  # duplicate siblings, each with children
+            token = random_token()
+            for _ in range(3):
+                node = add(token, -1)
+                add(random_token(), node)
+        elif shape == 3:  # random parents, EOS inside branches
+            for i in range(self._int(max_tokens + 1)):
+                eos = self.eos is not None and self._int(3) == 0
+                add(self.eos if eos else random_token(), self._int(i + 1) - 1)
+        else:  # the guide's path, random siblings before or after each of its nodes
+            path = [] if self.guide is None else self.guide.propose(ctx, self.max_draft_len).tokens.tolist()
+            parent = -1
+            for token in path:
+                if self._int(2):
+                    add(random_token(), parent)
+                node = add(token, parent)
+                if self._int(2):
+                    add(random_token(), parent)
+                if node != len(tokens) - 1 and tokens[node] != token:
+                    break  # the budget ran out
+                parent = node
+        return Draft(torch.tensor(tokens, dtype=torch.long), parents=torch.tensor(parents, dtype=torch.long))
+
+
 def perturbed_copy(model, scale: float, seed: int):
     twin = copy.deepcopy(model)
     gen = torch.Generator(torch.get_default_device()).manual_seed(seed)
@@ -168,7 +235,7 @@ def ngram_store_for(model, seed: int, own_answers: bool) -> NgramStore:
 @st.composite
 def drafters_for(draw, model, eos_token_id: int | None):
     """Every kind of drafter the engine must stay lossless with."""
-    kinds = ["random", "self", "perturbed", "lookup", "adversarial", "liar", "block", "none"]
+    kinds = ["random", "self", "perturbed", "lookup", "adversarial", "liar", "block", "tree", "none"]
     if type(model).config_class.model_type not in LLAMA_LIKE:  # the block model is built for Llama-like verifiers
         kinds.remove("block")
     kind = draw(st.sampled_from(kinds))
@@ -196,6 +263,9 @@ def drafters_for(draw, model, eos_token_id: int | None):
         )
     if kind == "adversarial":
         return AdversarialDrafter(vocab, eos_token_id, seed)
+    if kind == "tree":
+        guide = ModelDrafter(perturbed_copy(model, draw(st.sampled_from([0.0, 0.01])), seed), max_draft_len=8)
+        return RandomTreeDrafter(vocab, eos_token_id, seed, guide=guide)
     if kind == "liar":
         return LyingDrafter(vocab, draw(st.integers(0, vocab - 1)))
     if kind == "block":
@@ -207,6 +277,8 @@ def drafters_for(draw, model, eos_token_id: int | None):
             block_size=draw(st.integers(2, 9)),
             steps=draw(st.integers(1, 3)),
             threshold=draw(st.sampled_from([0.0, 0.5, 1.0])),
+            max_nodes=draw(st.sampled_from([None, 1, 12])),
+            branching=draw(st.integers(1, 4)),
             lookup_ngram=lookup_ngram,
             lookup_tokens=draw(st.sampled_from([None, 3, 12])) if lookup_ngram or store else None,
             ngram_store=store,

@@ -107,13 +107,13 @@ def test_heuristic_scheduler_grows_on_success_and_shrinks_on_failure():
     s = HeuristicScheduler(4)
     s.reset(PromptLookupDrafter(max_draft_len=8))
     draft = lambda k: Draft(torch.zeros(k, dtype=torch.long))  # noqa: E731
-    s.update(draft(4), 4, 0.0, 0.1)
+    s.update(draft(4), list(range(4)), 0.0, 0.1)
     assert s.max_draft_length() == 6
-    s.update(draft(6), 6, 0.0, 0.1)
+    s.update(draft(6), list(range(6)), 0.0, 0.1)
     assert s.max_draft_length() == 8  # capped by the drafter
-    s.update(draft(8), 3, 0.0, 0.1)
+    s.update(draft(8), list(range(3)), 0.0, 0.1)
     assert s.max_draft_length() == 7
-    s.update(draft(0), 0, 0.0, 0.1)  # nothing drafted: no evidence
+    s.update(draft(0), list(range(0)), 0.0, 0.1)  # nothing drafted: no evidence
     assert s.max_draft_length() == 7
 
 

@@ -110,7 +110,7 @@ def test_cost_aware_tries_each_number_of_passes_then_keeps_the_fastest():
     for _ in range(3 * s.STEP_TRIALS + 2 * s.STEP_EXPLORE):
         steps = s.denoising_steps()
         chosen.append(steps)
-        s.update(draft(2), accepted=1, draft_time=0.0, verify_time=2 / rate[steps])
+        s.update(draft(2), accepted=[0], draft_time=0.0, verify_time=2 / rate[steps])
     trials = chosen[: 3 * s.STEP_TRIALS]
     assert trials == [1] * s.STEP_TRIALS + [2] * s.STEP_TRIALS + [3] * s.STEP_TRIALS
     after = chosen[3 * s.STEP_TRIALS :]
@@ -136,8 +136,8 @@ def test_fixed_scheduler_steps_are_checked_against_the_drafter():
 def test_calibration_learns_per_confidence_bin():
     model = AcceptanceModel(4)
     for _ in range(200):
-        model.update(draft(2, [0.95, 0.95]), accepted=2)  # confident drafts: accepted
-        model.update(draft(2, [0.05, 0.05]), accepted=0)  # unconfident ones: rejected at once
+        model.update(draft(2, [0.95, 0.95]), accepted=[0, 1])  # confident drafts: accepted
+        model.update(draft(2, [0.05, 0.05]), accepted=[])  # unconfident ones: rejected at once
     high, low = model.predict(draft(2, [0.95, 0.95])), model.predict(draft(2, [0.05, 0.05]))
     assert high[0] > 0.98 and low[0] < 0.02
     assert model.tried[1, 0] == 0  # a position after a rejection was never tried

@@ -106,6 +106,8 @@ class SharedCache(Cache):
             self.side_buffer(HIDDEN, (hidden_width,), model.dtype, model.get_output_embeddings().weight.device)
         self._write_index: torch.Tensor | None = None  # [rows, q] slots of the forward in flight
         self._write_start: int | None = None  # their common first slot, when every row starts at the same one
+        self._tree: tuple[torch.Tensor, torch.Tensor] | None = None  # the fed token tree's depths and visibility
+        self._forward_start: list[int] = []  # each row's length before the last forward
         self.end = 0  # slots attention reads this forward: max(lengths) + q
 
     # -- memory -------------------------------------------------------------------------------------
@@ -147,21 +149,35 @@ class SharedCache(Cache):
 
     # -- one forward: where it writes, what it may see -------------------------------------------------
 
-    def begin(self, q: int) -> torch.Tensor:
-        """Prepare a forward of q tokens per row; return their position ids [rows, q]."""
+    def begin(self, q: int, tree: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Prepare a forward of q tokens per row; return their position ids [rows, q].
+
+        tree: (depths [rows, q], sees [rows, q, q] bool) when the fed tokens are a token tree: fed token i of row b
+        sits at position lengths[b] + depths[b, i] and attends to the cache and to the fed tokens j with
+        sees[b, i, j] (its ancestors and itself). Without it, fed token i sits at lengths[b] + i and sees all
+        fed tokens before it. Either way it is written to slot lengths[b] + i.
+        """
         self.reserve(max(self.lengths) + q)
         starts = torch.tensor(self.lengths, device=self.device)
+        self._forward_start = list(self.lengths)
         self._write_index = starts[:, None] + torch.arange(q, device=self.device)
+        self._tree = None if tree is None else (tree[0].to(self.device), tree[1].to(self.device))
         # Static shapes write through the index tensor even when rows are aligned: a slice start would be a
         # Python int that changes every step, i.e. a new graph.
         self._write_start = self.lengths[0] if len(set(self.lengths)) == 1 and not self.static else None
         self.end = self.capacity if self.static else max(self.lengths) + q
-        return self._write_index
+        return self._write_index if tree is None else starts[:, None] + self._tree[0]
 
     @property
     def aligned(self) -> bool:
         """Whether the forward in flight starts at the same slot in every row."""
         return self._write_start is not None
+
+    @property
+    def needs_mask(self) -> bool:
+        """Whether the forward in flight needs `attention_mask`: the model's own causal mask is right only for a
+        chain fed at the same slot in every row (the cache then ends at length + q in each)."""
+        return not self.aligned or self._tree is not None
 
     def write(self, buffer: torch.Tensor, states: torch.Tensor, dim: int) -> None:
         """Write a forward's states [rows, ..., q, ...] (q on `dim`) into `buffer` at each row's slots."""
@@ -177,15 +193,26 @@ class SharedCache(Cache):
     def attention_mask(self, q: int):
         """Additive masks [rows, 1, q, end] for the forward `begin(q)` prepared, one per layer type in use.
 
-        Query i of row b sits at position lengths[b] + i and sees slots 0 .. lengths[b] + i (within the
-        sliding window for sliding layers); slots past a row's length hold stale drafts and stay hidden.
+        A fed token sees the row's cached slots and the fed tokens `begin` says (within the sliding window of its
+        position, on sliding layers); slots past a row's length hold stale drafts and stay hidden.
         """
         keys = torch.arange(self.end, device=self.device)
-        queries = self._write_index[:, :, None]  # [rows, q, 1]
-        visible = keys <= queries
+        if self._tree is None:
+            query_pos = self._write_index[:, :, None]  # [rows, q, 1]
+            key_pos = keys
+            visible = keys <= query_pos
+        else:
+            depths, sees = self._tree
+            starts = self._write_index[:, :1]  # [rows, 1]
+            offset = keys - starts  # [rows, end]: which fed token a slot holds, where 0 <= offset < q
+            fed = (offset >= 0) & (offset < q)
+            j = offset.clamp(0, q - 1)
+            visible = (offset < 0)[:, None] | (sees.gather(2, j[:, None].expand(-1, q, -1)) & fed[:, None])
+            key_pos = torch.where(fed, starts + depths.gather(1, j), keys)[:, None]  # [rows, 1, end]
+            query_pos = (starts + depths)[:, :, None]
         masks = {}
         for kind in set(self.layer_types):
-            seen = visible & (keys > queries - self.window) if kind == "sliding_attention" else visible
+            seen = visible & (key_pos > query_pos - self.window) if kind == "sliding_attention" else visible
             masks[kind] = torch.zeros(seen.shape, dtype=self.dtype, device=self.device).masked_fill(
                 ~seen, torch.finfo(self.dtype).min
             )[:, None]
@@ -198,7 +225,7 @@ class SharedCache(Cache):
         self.lengths = [n + q for n in self.lengths]
         if HIDDEN in self.side:
             self.side_lengths[HIDDEN] = list(self.lengths)
-        self._write_index, self._write_start = None, None
+        self._write_index, self._write_start, self._tree = None, None, None
 
     # -- rollback and finished rows ------------------------------------------------------------------
 
@@ -211,6 +238,26 @@ class SharedCache(Cache):
         self.side_lengths = {
             name: [min(m, n) for m, n in zip(valid, self.lengths)] for name, valid in self.side_lengths.items()
         }
+
+    def keep(self, kept: list[list[int]]) -> None:
+        """After a forward: row b keeps its fed tokens kept[b] (offsets into that forward, increasing), moved to
+        consecutive slots after what the row held before; the rest is dropped. A prefix moves nothing (a
+        rollback); a tree's accepted path is copied down, keys, values and side state alike, recomputing nothing."""
+        for b, offsets in enumerate(kept):
+            start = self._forward_start[b]
+            if any(not 0 <= o < self.lengths[b] - start for o in offsets) or sorted(set(offsets)) != list(offsets):
+                raise ValueError(f"row {b} cannot keep fed tokens {offsets} of the {self.lengths[b] - start} it holds")
+            moved = [(start + o, start + i) for i, o in enumerate(offsets) if o != i]
+            if moved:
+                src = torch.tensor([s for s, _ in moved], device=self.device)
+                dst = torch.tensor([d for _, d in moved], device=self.device)
+                for layer in self.layers:
+                    if layer.is_initialized:
+                        for buffer in (layer.keys, layer.values):
+                            buffer[b, :, dst.to(buffer.device)] = buffer[b, :, src.to(buffer.device)]
+                for buffer in self.side.values():
+                    buffer[b, dst.to(buffer.device)] = buffer[b, src.to(buffer.device)]
+        self.rollback([n - start - len(offsets) for n, start, offsets in zip(self.lengths, self._forward_start, kept)])
 
     def select_rows(self, rows: list[int]) -> None:
         """Keep only `rows` (in this order), e.g. drop finished ones so they stop costing work."""
@@ -276,6 +323,30 @@ class SharedCache(Cache):
             n = self.lengths[row]
             cache.update(layer.keys[row : row + 1, :, :n].clone(), layer.values[row : row + 1, :, :n].clone(), i)
         return cache
+
+
+def tree_layout(parents: list[list[int]], width: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(depths [rows, width], sees [rows, width, width] bool) of fed token trees for `SharedCache.begin`.
+
+    Row b feeds width tokens; fed token i > 0 continues fed token parents[b][i - 1] + 1 (a parent of -1 is fed
+    token 0, the pending token, at depth 0). A token sees its ancestors and itself. Fed tokens past
+    len(parents[b]) + 1 are padding: each continues the one before it, as a chain would.
+    """
+    rows = len(parents)
+    parent = torch.arange(-1, width - 1).repeat(rows, 1)  # [rows, width]: fed index of each fed token's parent
+    for b, nodes in enumerate(parents):
+        if len(nodes) >= width:
+            raise ValueError(f"row {b} has {len(nodes)} tree nodes, which do not fit a forward of {width} tokens")
+        parent[b, 1 : 1 + len(nodes)] = torch.tensor(nodes, dtype=torch.long) + 1
+    depths = torch.zeros(rows, width, dtype=torch.long)
+    sees = torch.zeros(rows, width, width, dtype=torch.bool)
+    sees[:, 0, 0] = True
+    for i in range(1, width):  # parents come first, so one pass in order fills every row's ancestor sets
+        p = parent[:, i]
+        depths[:, i] = depths[torch.arange(rows), p] + 1
+        sees[:, i] = sees[torch.arange(rows), p]
+        sees[:, i, i] = True
+    return depths.to(device), sees.to(device)
 
 
 def attention_pattern(text_config) -> tuple[list[str], int | None]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from transformers import GenerationMixin, PreTrainedModel
 
-from verifiers.cache import SharedCache, attention_pattern, learned_position_limit, row_mask_problem
+from verifiers.cache import SharedCache, attention_pattern, learned_position_limit, row_mask_problem, tree_layout
 
 STATIC_CAPACITY_STEP = 256  # static caches are sized in multiples of this many slots
 
@@ -141,20 +141,33 @@ class Verifier:
         return logits[torch.arange(len(rows)), column]
 
     @torch.inference_mode()
-    def verify_rows(self, tokens: torch.Tensor, real: list[int] | None = None) -> torch.Tensor:
+    def verify_rows(
+        self, tokens: torch.Tensor, real: list[int] | None = None, parents: list[list[int]] | None = None
+    ) -> torch.Tensor:
         """Feed tokens [rows, m] after each row's cache; return float32 logits [rows, m, vocab]:
-        [b, i] is the verifier's view after row b's tokens[b, :i+1]. Row b's tokens past `real[b]` (default: m)
-        are padding, whose outputs are never read and whose slots are dropped."""
+        [b, i] is the verifier's view after row b's fed token i and everything it continues. Row b's tokens past
+        `real[b]` (default: m) are padding, whose outputs are never read and whose slots are dropped.
+
+        parents: per row, the token tree its tokens[b, 1:] form (`verifiers.cache.tree_layout`; None: each row is a
+        chain). Only a model that takes per-row masks (`takes_trees`) verifies trees."""
         real = [tokens.shape[1]] * tokens.shape[0] if real is None else real
+        if parents is not None and not self.takes_trees:
+            raise ValueError(f"{type(self.model).__name__} takes no tree masks ({self.row_mask_problem})")
+        width = self.padded_width(tokens.shape[1])
+        tree = None if parents is None else tree_layout(parents, width, self.model.device)
         if not self.static:
-            return self._forward(tokens, real, logits_to_keep=0)
+            return self._forward(tokens, real, logits_to_keep=0, tree=tree)
         m = tokens.shape[1]
-        width = self.padded_width(m)
         # Padded with the last token: its slots lie past what any row keeps, so they are dropped at once.
         padded = torch.cat([tokens, tokens[:, -1:].expand(-1, width - m)], dim=1)
-        logits = self._forward(padded, real, logits_to_keep=0, call=self.step_call)
+        logits = self._forward(padded, real, logits_to_keep=0, call=self.step_call, tree=tree)
         self.cache.rollback([width - m] * padded.shape[0])
         return logits[:, :m]
+
+    @property
+    def takes_trees(self) -> bool:
+        """Whether a verify may feed token trees: they need the per-row masks only some models take."""
+        return self.row_mask_problem is None
 
     def padded_width(self, m: int) -> int:
         """Positions a verify of m tokens runs: m, or on the static path the width it is padded to."""
@@ -163,6 +176,11 @@ class Verifier:
     def rollback_rows(self, drop: list[int]) -> None:
         """Forget the last drop[b] cached tokens of row b (rejected drafts)."""
         self.cache.rollback(drop)
+
+    @torch.inference_mode()
+    def keep_rows(self, kept: list[list[int]]) -> None:
+        """After a verify, row b keeps the fed tokens kept[b] (increasing offsets): a tree's accepted path."""
+        self.cache.keep(kept)
 
     def select_rows(self, rows: list[int]) -> None:
         """Keep only `rows` of the batch, in this order."""
@@ -200,14 +218,14 @@ class Verifier:
 
     # -- the forward --------------------------------------------------------------------------------------
 
-    def _forward(self, input_ids: torch.Tensor, real: list[int], logits_to_keep, call=None) -> torch.Tensor:
+    def _forward(self, input_ids: torch.Tensor, real: list[int], logits_to_keep, call=None, tree=None) -> torch.Tensor:
         """One forward of input_ids [rows, m] after each row's cache, of which row b's first real[b] are tokens."""
         call = call or self.model
         compiled = call is not self.model
         m = input_ids.shape[1]
-        position_ids = self.cache.begin(m)
+        position_ids = self.cache.begin(m, tree)
         if self.max_positions is not None:
-            last = max(n + r - 1 for n, r in zip(self.cache.lengths, real))
+            last = max(int(row[:r].max()) for row, r in zip(position_ids, real))
             if last >= self.max_positions:
                 raise ValueError(
                     f"position {last} is past the {self.max_positions} positions "
@@ -215,9 +233,9 @@ class Verifier:
                 )
             # Padding may reach past the table; its outputs are never read, so any position in range serves.
             position_ids = position_ids.clamp(max=self.max_positions - 1)
-        # Aligned rows (always at batch 1 on the dynamic path): the model's own causal mask is right, as the
-        # cache ends at length + m. Uneven rows and static shapes: per-row masks from the lengths.
-        mask = None if self.cache.aligned else self.cache.attention_mask(m)
+        # A chain in aligned rows (always at batch 1 on the dynamic path): the model's own causal mask is right, as
+        # the cache ends at length + m. Uneven rows, static shapes and trees: per-row masks from the lengths.
+        mask = self.cache.attention_mask(m) if self.cache.needs_mask else None
         extra = {"logits_to_keep": logits_to_keep} if self._supports_logits_to_keep else {}
         if compiled:  # the last step's outputs are consumed: CUDA graphs may overwrite them
             torch.compiler.cudagraph_mark_step_begin()

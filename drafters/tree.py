@@ -1,0 +1,73 @@
+"""Token trees from a block drafter's per-position distributions: best first, under a node budget.
+
+A block drafter predicts every position of its block in one pass, each from the context alone, so its output is a
+distribution per depth rather than per path. A path's score is the sum of its tokens' log-probabilities at their
+depths (DDTree, arXiv 2604.12989): the tree of the `budget` best paths' nodes is what a one-forward verify should
+score. The candidates at depth d are that depth's tokens sorted by probability, shared by every parent, so the
+best-first search needs only two successors per popped node: its next sibling and its first child.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import torch
+
+from drafters.base import Draft
+
+
+def best_first_tree(probs: torch.Tensor, budget: int, branching: int = 4) -> Draft:
+    """The `budget`-node tree of highest path scores over probs [depth, vocab] (rows sum to at most 1).
+
+    Node i's confidence is its token's probability at its depth: the chance the verifier picks it once its
+    parent was picked. At most `branching` children per node. Nodes come best first (a parent before its
+    children), so every prefix of them is the best tree of that size.
+    """
+    device = probs.device
+    if budget <= 0 or probs.shape[0] == 0:
+        return Draft.empty(device)
+    top_p, top_i = probs.float().topk(min(branching, probs.shape[-1]), dim=-1)
+    depth = top_p.shape[0]
+    log_p = top_p.clamp_min(1e-30).log().tolist()
+    top_p, top_i = top_p.tolist(), top_i.tolist()
+    tokens, parents, confidence = [], [], []
+    # (-path score, tie-break, depth, rank among that depth's candidates, parent node, parent's path score)
+    frontier = [(-log_p[0][0], 0, 0, 0, -1, 0.0)]
+    pushed = 1
+    while frontier and len(tokens) < budget:
+        neg, _, d, rank, parent, parent_score = heapq.heappop(frontier)
+        if top_p[d][rank] <= 0:
+            continue  # a token the drafter rules out (e.g. outside its vocabulary), and so every later sibling
+        node = len(tokens)
+        tokens.append(top_i[d][rank])
+        parents.append(parent)
+        confidence.append(top_p[d][rank])
+        if rank + 1 < len(top_i[d]):  # the next sibling: same parent, the next token at this depth
+            heapq.heappush(frontier, (-(parent_score + log_p[d][rank + 1]), pushed, d, rank + 1, parent, parent_score))
+            pushed += 1
+        if d + 1 < depth:  # the first child: the best token one depth further
+            heapq.heappush(frontier, (neg - log_p[d + 1][0], pushed, d + 1, 0, node, -neg))
+            pushed += 1
+    return Draft(
+        torch.tensor(tokens, dtype=torch.long, device=device),
+        confidence=torch.tensor(confidence, device=device),
+        parents=torch.tensor(parents, dtype=torch.long, device=device),
+    ).chain_or_tree()
+
+
+def concatenate(chain: Draft, tree: Draft) -> Draft:
+    """`chain`'s nodes, then `tree`'s grown below the chain's last token (the tree's -1 parents become it).
+
+    The result is a deterministic proposal (probs dropped): trees verify under the match rule only. A node without
+    a confidence gets 1, as a drafter that gives none vouches for its tokens."""
+    device = chain.tokens.device
+    m = len(chain)
+    shifted = torch.tensor([p + m if p >= 0 else m - 1 for p in tree.parent_list()], dtype=torch.long)
+    confidence = [
+        (d.confidence if d.confidence is not None else torch.ones(len(d))).to(device).float() for d in (chain, tree)
+    ]
+    return Draft(
+        torch.cat([chain.tokens, tree.tokens.to(device)]),
+        confidence=torch.cat(confidence),
+        parents=torch.cat([torch.arange(-1, m - 1), shifted]).to(device),
+    ).chain_or_tree()
