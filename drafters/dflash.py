@@ -177,6 +177,17 @@ class DFlashModel(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.fc.weight.dtype
 
+    def _apply(self, fn, recurse=True):
+        """`.to(dtype)` casts the weights, never the RoPE frequencies: a bfloat16 frequency times a position of
+        thousands is off by radians (transformers' checkpoints load them float32 too)."""
+        super()._apply(fn, recurse)
+        rope = self.rotary_emb
+        if rope.inv_freq.dtype != torch.float32 and rope.inv_freq.device.type != "meta":
+            exact = Qwen3RotaryEmbedding(self.config)
+            rope.inv_freq = exact.inv_freq.to(rope.inv_freq.device)
+            rope.original_inv_freq = exact.original_inv_freq.to(rope.inv_freq.device)
+        return self
+
     def embed(self, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Block inputs: rows of the verifier's embedding `weight` (unscaled, as the reference reads them)."""
         x = F.embedding(ids.to(weight.device), weight).to(self.fc.weight.device, self.dtype)
@@ -294,10 +305,9 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None) -> DFlashMode
                 f"{path}: {name} is {tuple(state[name].shape)}, its config.json says {shape}: the config and the "
                 "weights are of different drafters"
             )
-    dtype = dtype or next(iter(state.values())).dtype
-    model = DFlashModel(config).to(dtype)
-    model.load_state_dict(state)
-    return model.eval()
+    model.load_state_dict(state, assign=True)  # the file's tensors become the weights: no random init to overwrite
+    model.rotary_emb = Qwen3RotaryEmbedding(config)  # its frequencies are computed, not stored
+    return model.to(dtype or next(iter(state.values())).dtype).eval()
 
 
 def save_model(model: DFlashModel, path: str | Path, dtype: torch.dtype = torch.bfloat16) -> None:
@@ -370,9 +380,9 @@ class DFlashDrafter(Drafter):
         self.tokenizer = tokenizer
         self.hidden_layers = tuple(i + 1 for i in model.target_layer_ids)  # hidden_states[0] is the embedding output
         self.block_size, self.max_draft_len = block_size, block_size - 1
-        weights = hashlib.sha256(
-            b"".join(t.detach().cpu().float().numpy().tobytes() for t in model.state_dict().values())
-        )
+        weights = hashlib.sha256()
+        for t in model.state_dict().values():  # the raw bytes: no float copy of a gigabyte drafter
+            weights.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
         # Schedulers keep acceptance statistics per drafter: another checkpoint or block size is another drafter.
         self.fingerprint = f"dflash:{weights.hexdigest()[:12]}:b{block_size}"
 

@@ -179,6 +179,16 @@ def test_drafts_are_the_reference_forwards(folders, arch, variant):
         torch.testing.assert_close(drafting_logits(verifier, drafter, ids, anchor), expected, atol=2e-4, rtol=1e-4)
 
 
+def test_it_runs_in_bfloat16_as_published(folders):
+    """A bfloat16 verifier gets a bfloat16 drafter (weights, context buffer), whose RoPE frequencies stay float32,
+    and greedy decoding with it is `generate`'s (up to bfloat16's near ties)."""
+    _, folder = folders["qwen3", "yarn"]
+    verifier = tiny_model("qwen3", VOCAB, 2, seed=1).to(torch.bfloat16)
+    drafter = DFlashDrafter.from_pretrained(folder, verifier)
+    assert drafter.model.dtype == torch.bfloat16 and drafter.model.rotary_emb.inv_freq.dtype == torch.float32
+    check_greedy_lossless(verifier, torch.tensor([[3, 4, 5, 6]]), drafter, FixedScheduler(4), max_new_tokens=12)
+
+
 class CheckedDFlashDrafter(DFlashDrafter):
     """Checks every block it drafts inside `generate` against the reference forward over the committed tokens."""
 
