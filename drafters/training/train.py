@@ -6,8 +6,9 @@
     bash experiments/gpu_train.sh OUT              # the GPU recipe of the shipped checkpoint (these options, scaled)
 
 The shipped checkpoint (drafters/checkpoints/smollm2-135m-block) comes from the GPU recipe; its
-training.json records the command and what the run cost. Drafters go to --work-dir/{block,ar}-drafter
-unless --out says otherwise (--arch dflash: WORK_DIR/dflash-drafter, a folder vLLM and SGLang serve); copy a block drafter into drafters/checkpoints/ to ship it.
+training.json records the command and what the run cost. Drafters go to --work-dir/{block,ar,dflash}-drafter
+unless --out says otherwise; copy a block drafter into drafters/checkpoints/ to ship it. A dflash drafter is a
+DFlash folder that vLLM and SGLang serve as it is (README).
 
 Stages, each cached under --work-dir (a rerun skips what is done; delete a folder to redo it):
   1. generate  the verifier answers --gen-shards x --gen-batch training prompts greedily (drafters.training.corpus,
@@ -101,7 +102,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seqs-per-step", type=int, default=4)
     p.add_argument("--anchors-per-seq", type=int, default=96)
     p.add_argument("--block-size", type=int, default=8, help="positions per block, anchor included")
-    p.add_argument("--layers", type=int, default=1, help="drafter layers (block arch)")
+    p.add_argument("--layers", type=int, default=1, help="drafter layers (block and dflash archs)")
     p.add_argument(
         "--init-from",
         type=Path,
