@@ -2,7 +2,8 @@
 
 The block-diffusion drafter starts from `--init-from`'s checkpoint or from fresh weights with a draft vocabulary
 and feature statistics taken from the training answers; the AR baseline (drafters.ar_baseline loads it) is a
-1-layer Llama with the verifier's frozen embedding and the block drafter's trainable budget.
+1-layer Llama with the verifier's frozen embedding and the block drafter's trainable budget; the DFlash drafter
+(`--arch dflash`) is drafters.training.dflash's.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ from drafters.block_diffusion import (
     save_model,
     verifier_fingerprint,
 )
+from drafters.dflash import DFlashModel
+from drafters.dflash import save_model as save_dflash
+from drafters.training.dflash import dflash_forward
 from drafters.training.distill import FeatureStore
 
 # -- the block-diffusion drafter ----------------------------------------------------------------------
@@ -81,8 +85,11 @@ def initial_block_model(args, verifier, store: FeatureStore, train_ids: list[int
     return model
 
 
-def block_forward(model: BlockDiffusionModel, embed, head, batch) -> torch.Tensor:
-    """Draft-vocabulary logits [S, A, B-1, V'] for a batch from `block_batch`."""
+def block_forward(model: BlockDiffusionModel | DFlashModel, embed, head, batch) -> torch.Tensor:
+    """Draft-vocabulary logits [S, A, B-1, V'] for a batch from `block_batch` (a DFlash drafter's vocabulary is the
+    whole of the verifier's)."""
+    if isinstance(model, DFlashModel):
+        return dflash_forward(model, embed, head, batch)
     hidden, anchors, tokens, known = batch["hidden"], batch["anchors"], batch["tokens"], batch["known"]
     S, A, B = tokens.shape
     width, device = hidden.shape[1], tokens.device
@@ -168,5 +175,7 @@ def export(arch: str, model, out: Path) -> None:
     """The drafter's weights, stored in bfloat16 (half the size; loading casts them to the model's dtype)."""
     if arch == "block":
         save_model(model, out, dtype=torch.bfloat16)
+    elif arch == "dflash":  # the DFlash folder, bfloat16 as published
+        save_dflash(model, out, dtype=torch.bfloat16)
     else:
         save_ar_model(model, out, dtype=torch.bfloat16)

@@ -2,11 +2,13 @@
 
     python -m drafters.training.train              # the CPU recipe: block-diffusion drafter, ~55 min on 2 cores
     python -m drafters.training.train --arch ar    # the 1-layer AR baseline, same data and trainable budget
+    python -m drafters.training.train --arch dflash  # z-lab's DFlash architecture, same data; exports a DFlash folder
     bash experiments/gpu_train.sh OUT              # the GPU recipe of the shipped checkpoint (these options, scaled)
 
 The shipped checkpoint (drafters/checkpoints/smollm2-135m-block) comes from the GPU recipe; its
-training.json records the command and what the run cost. Drafters go to --work-dir/{block,ar}-drafter
-unless --out says otherwise; copy a block drafter into drafters/checkpoints/ to ship it.
+training.json records the command and what the run cost. Drafters go to --work-dir/{block,ar,dflash}-drafter
+unless --out says otherwise; copy a block drafter into drafters/checkpoints/ to ship it. A dflash drafter is a
+DFlash folder that vLLM and SGLang serve as it is (README).
 
 Stages, each cached under --work-dir (a rerun skips what is done; delete a folder to redo it):
   1. generate  the verifier answers --gen-shards x --gen-batch training prompts greedily (drafters.training.corpus,
@@ -35,6 +37,7 @@ from tqdm import tqdm
 from drafters.block_diffusion import BlockDiffusionConfig, frozen_verifier_parts
 from drafters.training.batches import VocabMap, ar_batch, block_batch, to_device
 from drafters.training.corpus import chat_prompts
+from drafters.training.dflash import initial_dflash_model
 from drafters.training.distill import (
     FeatureStore,
     build_features,
@@ -59,7 +62,10 @@ def parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
-        "--arch", choices=("block", "ar"), default="block", help="block-diffusion drafter or the 1-layer AR baseline"
+        "--arch",
+        choices=("block", "ar", "dflash"),
+        default="block",
+        help="block-diffusion drafter, the 1-layer AR baseline, or a drafter in z-lab's DFlash architecture",
     )
     p.add_argument("--work-dir", type=Path, default=DEFAULT_WORK_DIR, help="cache of generated data and features")
     p.add_argument(
@@ -96,7 +102,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seqs-per-step", type=int, default=4)
     p.add_argument("--anchors-per-seq", type=int, default=96)
     p.add_argument("--block-size", type=int, default=8, help="positions per block, anchor included")
-    p.add_argument("--layers", type=int, default=1, help="drafter layers (block arch)")
+    p.add_argument("--layers", type=int, default=1, help="drafter layers (block and dflash archs)")
     p.add_argument(
         "--init-from",
         type=Path,
@@ -105,6 +111,12 @@ def parser() -> argparse.ArgumentParser:
         "instead of random weights",
     )
     p.add_argument("--draft-vocab", type=int, default=4096, help="size of the draft vocabulary (the head's rows)")
+    p.add_argument(
+        "--mask-token-id",
+        type=int,
+        default=None,
+        help="--arch dflash: the token whose verifier embedding marks a masked position (default: the least used one)",
+    )
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--gamma", type=float, default=2.0, help="position weight exp(-(i-1)/gamma)")
     p.add_argument("--reveal-prob", type=float, default=0.2, help="share of blocks that see part of their answer")
@@ -190,6 +202,8 @@ def recipe_tag(args) -> str:
         "seed",
     )
     values = [getattr(args, k) for k in keys] + [str(args.init_from)]
+    if args.arch == "dflash":
+        values.append(args.mask_token_id)
     return f"s{args.seed}-" + hashlib.sha256(json.dumps(values).encode()).hexdigest()[:8]
 
 
@@ -199,23 +213,27 @@ def train(args, verifier, store: FeatureStore, out: Path, run_dir: Path) -> dict
     train_ids, held = split(store)
     answer_tokens = sum(int(store.offsets[i + 1] - store.offsets[i] - store.prompt_lens[i]) for i in train_ids)
     print(f"data: {len(train_ids)} training sequences ({answer_tokens} answer tokens), {len(held)} held out")
-    block_model = initial_block_model(args, verifier, store, train_ids)
-    config = block_model.config
-    vocab = block_model.draft_vocab.clone()
-    vmap = VocabMap(vocab, verifier.get_input_embeddings().weight.shape[0])
-    if device.type != "cpu" and args.arch == "block":
+    vocab_size = verifier.get_input_embeddings().weight.shape[0]
+    if args.arch == "dflash":  # the whole vocabulary, as the verifier's head scores it
+        model = initial_dflash_model(args, verifier, store)
+        vocab, block_size = torch.arange(vocab_size), model.block_size
+    else:
+        block_model = initial_block_model(args, verifier, store, train_ids)
+        vocab, block_size = block_model.draft_vocab.clone(), block_model.config.block_size
+        if args.arch == "block":
+            model = block_model
+        else:
+            model = make_ar_model(verifier, sum(p.numel() for p in trainable(block_model)))
+    vmap = VocabMap(vocab, vocab_size)
+    if device.type != "cpu" and args.arch != "ar":
         store.move_hidden(device)
     embed, head = frozen_verifier_parts(verifier, vocab)
-    if args.arch == "block":
-        model = block_model
-    else:
-        model = make_ar_model(verifier, sum(p.numel() for p in trainable(block_model)))
     model.to(device)
     final_norm = getattr(verifier.base_model, "norm", None)
     if (
         final_norm is not None and not args.init_from
     ):  # start the output norm where the verifier's is, so its frozen head reads it
-        (model.norm if args.arch == "block" else model.model.norm).weight.data.copy_(final_norm.weight.data)
+        (model.model.norm if args.arch == "ar" else model.norm).weight.data.copy_(final_norm.weight.data)
     params = trainable(model)
     print(f"{args.arch} drafter: {sum(p.numel() for p in params) / 1e6:.2f} M trainable parameters")
     optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -236,9 +254,9 @@ def train(args, verifier, store: FeatureStore, out: Path, run_dir: Path) -> dict
         raise ValueError("no held-out anchors (answers on the verifier's greedy chain): generate more data")
     print(
         f"held-out: {sum(len(a) for _, a in anchors)} anchors; prompt lookup tau there "
-        f"{lookup_tau(store, anchors, config.block_size):.2f}"
+        f"{lookup_tau(store, anchors, block_size):.2f}"
     )
-    weights = position_weights(config.block_size, args.gamma).to(device)
+    weights = position_weights(block_size, args.gamma).to(device)
     record = {}
     model.train()
     interactive = sys.stderr.isatty()
@@ -255,9 +273,9 @@ def train(args, verifier, store: FeatureStore, out: Path, run_dir: Path) -> dict
         seqs = rng.choice(train_ids, size=min(args.seqs_per_step, len(train_ids)), replace=False)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, planned, args.lr)
-        if args.arch == "block":
+        if args.arch != "ar":  # both block drafters train on the same blocks
             batch = to_device(
-                block_batch(store, seqs, rng, args.anchors_per_seq, config.block_size, vmap, args.reveal_prob), device
+                block_batch(store, seqs, rng, args.anchors_per_seq, block_size, vmap, args.reveal_prob), device
             )
             logits = block_forward(model, embed, head, batch)
             w = batch["loss_mask"] * weights
@@ -290,7 +308,7 @@ def train(args, verifier, store: FeatureStore, out: Path, run_dir: Path) -> dict
         evaluated = step % args.eval_every == 0 or step == planned
         if evaluated:
             tau, by_pos = estimate_tau(
-                args.arch,
+                "ar" if args.arch == "ar" else "block",  # a DFlash drafter drafts a block as the block drafter does
                 model,
                 embed,
                 head,
@@ -298,7 +316,7 @@ def train(args, verifier, store: FeatureStore, out: Path, run_dir: Path) -> dict
                 anchors,
                 vmap,
                 vocab,
-                config.block_size,
+                block_size,
                 device,
                 chunk_size=max(4, args.seqs_per_step),
             )
