@@ -27,8 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from drafters.base import Draft, DraftContext, Drafter, check_same_verifier
-from drafters.tree import best_first_tree, concatenate
-from verifiers.logits import process_logits
+from drafters.tree import tree_below
 
 CONFIG_NAME = "drafter_config.json"
 CONTEXT = "block-context"  # the side buffer of the projected context keys/values
@@ -485,28 +484,16 @@ class BlockDiffusionDrafter(Drafter):
 
     def _tree(self, ctx, logits, block, known, given_confidence, max_tokens) -> Draft:
         """The known leading positions as a chain, then the best-first tree of the rest over the block's
-        per-position distributions (through the verifier's processors, given the committed sequence and the chain)."""
+        per-position distributions (`drafters.tree.tree_below`)."""
         device = ctx.input_ids.device
         depth = self.block_size - 1
         fixed = known[1:].cpu()
         j = min(int(fixed.int().cumprod(0).sum()), max_tokens)  # the leading run of known positions
         chain = Draft(block[1 : 1 + j].to(device), None, given_confidence[:j].to(device))
-        if j == depth or j == max_tokens:
+        if j == depth:
             return chain
         vocab = self.model.draft_vocab
-        if ctx.processors:  # processed in the verifier's whole vocabulary, as its scores will be
-            prefix = torch.cat([ctx.input_ids, chain.tokens[None]], dim=1)
-            full = logits.new_full((depth - j, self.vocab_size), -math.inf)
-            full[:, vocab] = logits[j:depth]
-            probs = torch.stack(
-                [torch.softmax(process_logits(ctx.processors, prefix, row.float()), -1) for row in full]
-            )
-            tree = best_first_tree(probs, max_tokens - j, self.branching)
-        else:  # outside the draft vocabulary the probabilities are 0: the tree lives in its columns
-            tree = best_first_tree(torch.softmax(logits[j:depth], -1), max_tokens - j, self.branching)
-            tree.tokens = vocab[tree.tokens.to(vocab.device)]
-        tree.tokens = tree.tokens.to(device)
-        return concatenate(chain, tree)
+        return tree_below(ctx, chain, logits[j:depth], max_tokens, self.branching, vocab, self.vocab_size)
 
 
 def check_fingerprint(expected: dict, actual: dict) -> None:

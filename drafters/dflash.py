@@ -31,6 +31,7 @@ from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
 from drafters.base import Draft, DraftContext, Drafter
+from drafters.tree import tree_below
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -364,10 +365,25 @@ class DFlashDrafter(Drafter):
         verifier: the verifier model (its embedding and LM head are the drafter's; its shape is checked).
         tokenizer: the verifier's tokenizer, if known (checked against the one passed to `generate`).
         block_size: positions per block at run time (anchor included), 2..the checkpoint's block size.
+        max_nodes: propose token trees of up to this many nodes (None: chains), the best paths through the block's
+            per-position distributions, at most `branching` children per node (`drafters.tree.tree_below`).
     """
 
-    def __init__(self, model: DFlashModel, verifier, tokenizer=None, block_size: int | None = None):
+    def __init__(
+        self,
+        model: DFlashModel,
+        verifier,
+        tokenizer=None,
+        block_size: int | None = None,
+        max_nodes: int | None = None,
+        branching: int = 4,
+    ):
         check_verifier(model.config, verifier)
+        if (max_nodes is not None and max_nodes < 1) or branching < 1:
+            raise ValueError(
+                f"max_nodes ({max_nodes}) and branching ({branching}) must be >= 1 (max_nodes None: chains)"
+            )
+        self.max_nodes, self.branching = max_nodes, branching
         block_size = model.block_size if block_size is None else block_size
         if not 2 <= block_size <= model.block_size:
             raise ValueError(f"block_size {block_size} outside 2..{model.block_size} (the checkpoint's block size)")
@@ -385,15 +401,24 @@ class DFlashDrafter(Drafter):
             weights.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
         # Schedulers keep acceptance statistics per drafter: another checkpoint or block size is another drafter.
         self.fingerprint = f"dflash:{weights.hexdigest()[:12]}:b{block_size}"
+        if max_nodes is not None:
+            self.fingerprint += f":n{max_nodes}:w{branching}"
 
     @classmethod
     def from_pretrained(
-        cls, path: str | Path, verifier, tokenizer=None, block_size: int | None = None, dtype: torch.dtype | None = None
+        cls,
+        path: str | Path,
+        verifier,
+        tokenizer=None,
+        block_size: int | None = None,
+        dtype: torch.dtype | None = None,
+        **kwargs,
     ) -> DFlashDrafter:
-        """Load a DFlash folder for `verifier`; `dtype` defaults to the verifier's (bfloat16 for published pairs)."""
+        """Load a DFlash folder for `verifier`; `dtype` defaults to the verifier's (bfloat16 for published pairs);
+        `kwargs` are the drafter's own (max_nodes, branching)."""
         config = read_config(path)
         check_verifier(config, verifier)  # before reading the weights: a wrong pairing fails at once
-        return cls(load_model(path, dtype or verifier.dtype), verifier, tokenizer, block_size)
+        return cls(load_model(path, dtype or verifier.dtype), verifier, tokenizer, block_size, **kwargs)
 
     def save_pretrained(self, path: str | Path, dtype: torch.dtype = torch.bfloat16) -> None:
         save_model(self.model, path, dtype)
@@ -471,6 +496,8 @@ class DFlashDrafter(Drafter):
         reported), each given the tokens before it."""
         k = min(max_tokens, self.block_size - 1)
         m = len(given)
+        if self.max_nodes is not None and not ctx.do_sample:  # a tree below the given chain
+            return tree_below(ctx, given, logits[m : self.block_size - 1], max_tokens, self.branching)
         if not ctx.do_sample and not ctx.processors:  # q = softmax(logits) needs no prefix: one argmax for all
             confidence, best = torch.softmax(logits[m:k], dim=-1).max(dim=-1)
             device = ctx.input_ids.device

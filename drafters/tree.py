@@ -10,10 +10,12 @@ best-first search needs only two successors per popped node: its next sibling an
 from __future__ import annotations
 
 import heapq
+import math
 
 import torch
 
-from drafters.base import Draft
+from drafters.base import Draft, DraftContext
+from verifiers.logits import process_logits
 
 
 def best_first_tree(probs: torch.Tensor, budget: int, branching: int = 4) -> Draft:
@@ -71,3 +73,38 @@ def concatenate(chain: Draft, tree: Draft) -> Draft:
         confidence=torch.cat(confidence),
         parents=torch.cat([torch.arange(-1, m - 1), shifted]).to(device),
     ).chain_or_tree()
+
+
+def tree_below(
+    ctx: DraftContext,
+    chain: Draft,
+    logits: torch.Tensor,
+    budget: int,
+    branching: int,
+    columns: torch.Tensor | None = None,
+    vocab_size: int | None = None,
+) -> Draft:
+    """`chain` (tokens fixed before), then the best-first tree of the remaining `budget` nodes below it, over a block
+    drafter's logits for the depths after the chain, logits [depth, n].
+
+    Columns are the verifier's vocabulary, or a draft vocabulary whose token ids are `columns` (of a verifier
+    vocabulary of `vocab_size`). With logits processors the distributions are processed as the verifier's scores
+    will be, given the committed sequence and the chain (one prefix for every path: a proposal needs no more).
+    """
+    budget -= len(chain)
+    if budget <= 0 or logits.shape[0] == 0:
+        return chain
+    if ctx.processors:
+        full = logits
+        if columns is not None:
+            full = logits.new_full((logits.shape[0], vocab_size), -math.inf)
+            full[:, columns] = logits
+        prefix = torch.cat([ctx.input_ids, chain.tokens.to(ctx.input_ids.device)[None]], dim=1)
+        probs = torch.stack([torch.softmax(process_logits(ctx.processors, prefix, row.float()), -1) for row in full])
+        tree = best_first_tree(probs, budget, branching)
+    else:
+        tree = best_first_tree(torch.softmax(logits.float(), -1), budget, branching)
+        if columns is not None:
+            tree.tokens = columns[tree.tokens.to(columns.device)]
+    tree.tokens = tree.tokens.to(ctx.input_ids.device)
+    return concatenate(chain, tree)

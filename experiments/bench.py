@@ -8,7 +8,9 @@ named drafter of experiments.methods at its default block size, as `hybrid-NAME`
 `hybrid-lookup`, `hybrid-default`: what `hybrid.load_default()` builds, `hybrid-ar`: the 1-layer AR baseline,
 ...); and `oracle`, hybrid with a drafter that proposes the verifier's own greedy continuation at zero cost
 (the ceiling of speculative decoding for this verifier on this machine: every method is also reported as a
-fraction of it). Greedy only: every output is checked against plain `generate`'s. A hybrid method takes a
+fraction of it). Greedy by default; `--temperature T [--top-p P]` samples, each prompt after the same
+`torch.manual_seed` in every method and repeat. Every output is checked against plain `generate`'s (under the
+same seed when sampling: hybrid's default acceptance rule makes them identical). A hybrid method takes a
 scheduler after `@` (`hybrid-block-lookup@fixed-4`, names as in schedulers.registry); without one it uses
 `generate`'s default (cost-aware, learning across the prompts). Plain and hybrid methods take a cache layout
 after `+`: `+static` (`cache_implementation="static"`, run eagerly) or `+compiled` (static and compiled as
@@ -72,16 +74,25 @@ def layout_settings(layout: str | None) -> dict:
     return {"cache_implementation": "static", "compile_config": config}
 
 
+def sampling_settings(temperature: float | None, top_p: float | None) -> dict:
+    """`generate`'s sampling arguments for a bench run: greedy when temperature is None."""
+    if temperature is None:
+        return {"do_sample": False}
+    return {"do_sample": True, "temperature": temperature} | ({} if top_p is None else {"top_p": top_p})
+
+
 def run_method(
-    method: str, model, input_ids, reference, max_new_tokens: int
+    method: str, model, input_ids, reference, max_new_tokens: int, sampling: dict | None = None, seed: int = 0
 ) -> tuple[torch.Tensor, float, float | None]:
-    """(output, seconds, tau or None) for one method on one prompt."""
-    settings = {"max_new_tokens": max_new_tokens, "do_sample": False, "attention_mask": torch.ones_like(input_ids)}
+    """(output, seconds, tau or None) for one method on one prompt; sampled runs start from `torch.manual_seed(seed)`."""
+    sampling = sampling or {"do_sample": False}
+    settings = {"max_new_tokens": max_new_tokens, "attention_mask": torch.ones_like(input_ids)} | sampling
     name = method
     method, layout, scheduler_name = parse_method(name)
     settings |= layout_settings(layout)
     drafter_name = method_drafter(method)
     drafter = None if drafter_name is None else make_drafter(drafter_name, None, reference, model)
+    torch.manual_seed(seed)
     start = time.perf_counter()
     if method == "plain":
         out, tau = model.generate(input_ids, **settings), None
@@ -103,7 +114,8 @@ def prompt_sha(text: str) -> str:
 
 
 def measurement_key(record: dict) -> tuple:
-    return tuple(record[f] for f in ("model", "dataset", "prompt_sha", "max_new_tokens", "repeat", "method"))
+    fields = ("model", "dataset", "prompt_sha", "max_new_tokens", "repeat", "method")
+    return (*(record[f] for f in fields), record.get("sampling", "greedy"))
 
 
 def identity(args, text: str, repeat: int, method: str) -> dict:
@@ -115,7 +127,12 @@ def identity(args, text: str, repeat: int, method: str) -> dict:
         "max_new_tokens": args.max_new_tokens,
         "repeat": repeat,
         "method": method,
+        "sampling": sampling_label(args),
     }
+
+
+def sampling_label(args) -> str:
+    return "greedy" if args.temperature is None else f"T={args.temperature} top_p={args.top_p}"
 
 
 def schedule(args, prompts: list[tuple[int, str]]) -> list[tuple[int, int, str, str]]:
@@ -155,20 +172,19 @@ def _measure(args, model, tokenizer, pending, path: Path, show_progress: bool) -
     bar = tqdm(total=len(pending), desc="bench", unit="run", disable=not show_progress, dynamic_ncols=True)
     for r, i, text, method in pending:
         input_ids = encode_prompt(tokenizer, text).to(model.device)
-        if i not in references:  # the greedy output every method must reproduce (and the oracle proposes)
+        sampling = sampling_settings(args.temperature, args.top_p)
+        if i not in references:  # the output every method must reproduce (and the oracle proposes)
+            torch.manual_seed(i)
             references[i] = model.generate(
-                input_ids,
-                attention_mask=torch.ones_like(input_ids),
-                max_new_tokens=args.max_new_tokens,
-                do_sample=False,
+                input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=args.max_new_tokens, **sampling
             )
         if parse_method(method)[1] == "compiled" and (i, method) not in warmed:
             # Compile what this prompt's shapes need before timing it (model.generate's static cache is sized
             # per prompt, so it may recompile for each; hybrid's capacity is rounded up, so it rarely does).
-            _, seconds, _ = run_method(method, model, input_ids, references[i], args.max_new_tokens)
+            _, seconds, _ = run_method(method, model, input_ids, references[i], args.max_new_tokens, sampling, i)
             WARM_UP[method] = WARM_UP.get(method, 0.0) + seconds
             warmed.add((i, method))
-        out, seconds, tau = run_method(method, model, input_ids, references[i], args.max_new_tokens)
+        out, seconds, tau = run_method(method, model, input_ids, references[i], args.max_new_tokens, sampling, i)
         record = dict(
             identity(args, text, r, method),
             prompt_index=i,
@@ -196,7 +212,7 @@ def summarize(args, records: list[dict]) -> dict[str, dict]:
         tokens_seconds[0] += rec["new_tokens"]
         tokens_seconds[1] += rec["seconds"]
         if rec["tau"] is not None:
-            taus[rec["method"]][rec["prompt_sha"]] = rec["tau"]  # greedy: the same in every repeat
+            taus[rec["method"]][rec["prompt_sha"]] = rec["tau"]  # one seed per prompt: the same in every repeat
         identical[rec["method"]] &= rec["identical"]
     tps = {m: [t / s for t, s in per_repeat[m].values()] for m in args.methods}
     base = statistics.median(tps["plain"]) if "plain" in tps else None
@@ -222,7 +238,7 @@ def print_table(args, rows: dict[str, dict], num_prompts: int, processes: int) -
         return "-" if x is None else format(x, spec)
 
     print(
-        f"\n{args.dataset}: {num_prompts} prompts, {args.max_new_tokens} new tokens, {args.repeats} repeats, greedy, "
+        f"\n{args.dataset}: {num_prompts} prompts, {args.max_new_tokens} new tokens, {args.repeats} repeats, {sampling_label(args)}, "
         f"{processes} process(es) x {torch.get_num_threads()} threads"
     )
     print(f"{'method':<28}{'tok/s':>8}{'spread':>14}{'tau':>7}{'speed-up':>10}{'of oracle':>11}  identical")
@@ -256,6 +272,8 @@ def parse_args(argv):
         help=MODEL_HELP,
     )
     parser.add_argument("--device", default="cpu", help="where the verifier and drafters run (cpu, cuda, cuda:1)")
+    parser.add_argument("--temperature", type=float, default=None, help="sample at this temperature (default: greedy)")
+    parser.add_argument("--top-p", type=float, default=None, help="nucleus sampling with --temperature")
     parser.add_argument("--out", default="runs/bench", help="folder for bench.jsonl and summary.json; rerun to resume")
     args = parser.parse_args(argv)
     args.methods = list(dict.fromkeys(m.strip() for m in args.methods.split(",") if m.strip()))
@@ -280,6 +298,10 @@ def parse_args(argv):
         check_fits_model(args.model, bases, method_drafter)
     except ValueError as error:
         parser.error(str(error))
+    if args.top_p is not None and args.temperature is None:
+        parser.error("--top-p samples: give --temperature too")
+    if args.temperature is not None and args.temperature <= 0:
+        parser.error(f"--temperature {args.temperature} must be > 0 (leave it out for greedy)")
     for name in ("num_prompts", "max_new_tokens", "repeats"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")

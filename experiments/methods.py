@@ -70,6 +70,16 @@ DRAFTERS: dict[str, DrafterEntry | None] = {
     # and the store preferred over a one-token match; and the same lookup without the model.
     "default": long_lookup_entry(trained_drafters.default),
     "match-store": long_lookup_entry(lambda model, block: trained_drafters.match_store(block)),
+    # Token trees: the block model's best paths under a node budget (block size here = the budget), alone and in
+    # the default drafter (lookup and store first, the block model's tree below them); "default-chain" is the
+    # default with the block model proposing chains.
+    "block-tree": DrafterEntry(
+        lambda block, reference, model: trained_drafters.block(model, MAX_DRAFTED, max_nodes=block), 32, trained=True
+    ),
+    "default-tree": DrafterEntry(
+        lambda block, reference, model: trained_drafters.default_with(model, block), 32, trained=True
+    ),
+    "default-chain": long_lookup_entry(lambda model, block: trained_drafters.default_with(model, None, block)),
     # The 1-layer AR baseline of the same trainable budget (`python -m drafters.training.train --arch ar`).
     "ar": DrafterEntry(lambda block, reference, model: trained_drafters.ar(model, block), MAX_DRAFTED, trained=True),
 }

@@ -34,13 +34,16 @@ def block(
     path: Path = DRAFTER_DIR,
     long_lookup: bool = False,
     store: bool = False,
+    max_nodes: int | None = None,
 ) -> Drafter:
     """The shipped block-diffusion drafter proposing up to `drafted` tokens (block = anchor + drafted), with
     `steps` denoising passes. With `lookup`, a context match (n-grams 1..3) gives the block's first positions; with
     `long_lookup`, the block stays the trained one and a match may propose up to `drafted` tokens past it. With
-    `store`, the shipped n-gram store continues the lookup (or, without one, stands in for it)."""
+    `store`, the shipped n-gram store continues the lookup (or, without one, stands in for it). With `max_nodes`,
+    the block model proposes token trees of that many nodes over its whole trained block."""
+    block_size = min(drafted, MAX_DRAFTED) + 1 if long_lookup else drafted + 1
     block_drafter = BlockDiffusionDrafter.from_pretrained(
-        path, model, block_size=min(drafted, MAX_DRAFTED) + 1 if long_lookup else drafted + 1, steps=steps
+        path, model, block_size=block_size if max_nodes is None else None, steps=steps, max_nodes=max_nodes
     )
     if not (lookup or long_lookup or store):
         return block_drafter
@@ -61,6 +64,13 @@ def default(model, drafted: int = DRAFTER_LOOKUP_TOKENS) -> ChainDrafter:
     return default_drafter(
         model, ngram_store=ngram_store(), lookup_tokens=drafted, block_size=min(drafted, MAX_DRAFTED) + 1
     )
+
+
+@lru_cache(maxsize=None)
+def default_with(model, max_nodes: int | None, drafted: int = DRAFTER_LOOKUP_TOKENS) -> ChainDrafter:
+    """The default drafter with its block model proposing trees of `max_nodes` nodes (None: chains) and its lookup
+    up to `drafted` tokens."""
+    return default_drafter(model, ngram_store=ngram_store(), lookup_tokens=drafted, max_nodes=max_nodes)
 
 
 def match_store(drafted: int) -> PromptLookupDrafter:

@@ -27,6 +27,10 @@ DRAFTER_LOOKUP_TOKENS = 16
 # A one-token context match gives way to the store's continuation when the store's first share is >= 0.5 (a one-token
 # match's first token is accepted about a quarter of the time; held-out tau 4.434 -> 4.550).
 DRAFTER_PREFER_STORE = 0.5
+# The block model proposes token trees of up to this many nodes (None: chains), at most DRAFTER_BRANCHING children
+# per node; the scheduler verifies the best prefix of them.
+DRAFTER_TREE_NODES = None
+DRAFTER_BRANCHING = 4
 
 
 def shipped_block_size() -> int:
@@ -56,6 +60,7 @@ def default_drafter(
     ngram_store=DRAFTER_NGRAM_DIR,
     lookup_tokens: int = DRAFTER_LOOKUP_TOKENS,
     block_size: int | None = None,
+    max_nodes: int | None = DRAFTER_TREE_NODES,
 ):
     """The shipped drafter for the default verifier `model`: the lookup settings above (a context match continued by
     the n-gram store, up to `lookup_tokens`), and where the lookup falls short of the block, the shipped block model
@@ -70,5 +75,7 @@ def default_drafter(
         prefer_store=DRAFTER_PREFER_STORE,
         verifier=model,
     )
-    block = BlockDiffusionDrafter.from_pretrained(DRAFTER_DIR, model, tokenizer=tokenizer, block_size=block_size)
+    block = BlockDiffusionDrafter.from_pretrained(
+        DRAFTER_DIR, model, tokenizer=tokenizer, block_size=block_size, max_nodes=max_nodes, branching=DRAFTER_BRANCHING
+    )
     return ChainDrafter([lookup, block])

@@ -69,9 +69,6 @@ class _Calibrated(Scheduler):
         """Write what was learned, for `calibration=` in a later run with the same drafter and verifier."""
         self.acceptance.save(path)
 
-    def max_draft_length(self) -> int:
-        return self.max_draft_len
-
     def update(self, draft: Draft, accepted: list[int], draft_time: float, verify_time: float) -> None:
         self.acceptance.update(draft, accepted)
 

@@ -248,9 +248,12 @@ def test_greedy_decoding_with_a_dflash_drafter_equals_generate(folders, data):
     variant = data.draw(st.sampled_from(sorted(VARIANTS)), label="variant")
     verifier, folder = folders[arch, variant]
     block_size = data.draw(st.integers(4, 6), label="block_size")  # the folders' block is 6: 4..6 at run time
-    drafter = with_lookup(data, DFlashDrafter.from_pretrained(folder, verifier, block_size=block_size))
+    max_nodes = data.draw(st.sampled_from([None, 8]), label="max_nodes")  # chains, or trees of up to 8 nodes
+    drafter = with_lookup(
+        data, DFlashDrafter.from_pretrained(folder, verifier, block_size=block_size, max_nodes=max_nodes)
+    )
     input_ids = data.draw(prompts(VOCAB), label="prompt")
-    k = data.draw(st.integers(1, block_size - 1), label="k")
+    k = data.draw(st.integers(1, drafter.node_budget), label="k")
     kwargs = {"max_new_tokens": data.draw(st.integers(1, 12), label="max_new_tokens")}
     if data.draw(st.booleans(), label="repetition_penalty"):  # the drafter then chooses through the processors
         kwargs["repetition_penalty"] = 1.3
@@ -266,8 +269,10 @@ def test_seeded_sampling_with_a_dflash_drafter_equals_generate(folders, data):
     arch = data.draw(st.sampled_from(["qwen3", "llama"]), label="verifier")
     variant = data.draw(st.sampled_from(sorted(VARIANTS)), label="variant")
     verifier, folder = folders[arch, variant]
+    max_nodes = data.draw(st.sampled_from([None, 8]), label="max_nodes")
     drafter = with_lookup(
-        data, DFlashDrafter.from_pretrained(folder, verifier, block_size=data.draw(st.integers(4, 6)))
+        data,
+        DFlashDrafter.from_pretrained(folder, verifier, block_size=data.draw(st.integers(4, 6)), max_nodes=max_nodes),
     )
     input_ids = data.draw(prompts(VOCAB), label="prompt")
     check_sampled_identical(
