@@ -8,9 +8,10 @@ N, in turn for each server (the order rotates from level to level), N clients se
 with the openai client, each client one request after another, `--requests` requests in all. Per request: time
 to first token (TTFT), total time, tokens (the server's usage count), tokens/s (tokens / total time). Reported
 per server and level: p50/p95 of TTFT and of per-request tokens/s, and aggregate tokens/s (all tokens / wall time
-of the level). Writes `requests.jsonl` (rerunning the same command resumes: finished levels are kept),
-`summary.json`, `report.md` and `latency.png` into --out. The servers are always stopped, also on an error or
-Ctrl-C; their logs are in --out/logs (hybrid's has each request's tau).
+of the level). Only the server being measured runs: the others are frozen (SIGSTOP), since an idle
+continuous-batching server polls on a full core. Writes `requests.jsonl` (rerunning the same command resumes:
+finished levels are kept), `summary.json`, `report.md` and `latency.png` into --out. The servers are always
+stopped, also on an error or Ctrl-C; their logs are in --out/logs (hybrid's has each request's tau).
 """
 
 from __future__ import annotations
@@ -84,8 +85,16 @@ class Server:
             time.sleep(0.5)
         raise RuntimeError(f"the {self.name} server did not answer /health within {timeout:.0f} s; see {self.log}")
 
+    def pause(self) -> None:
+        """Freeze it between its levels: an idle continuous-batching server polls its queue on a full core."""
+        os.killpg(self.process.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        os.killpg(self.process.pid, signal.SIGCONT)
+
     def stop(self) -> None:
         if self.process.poll() is None:
+            self.resume()  # a frozen process would not act on SIGTERM
             os.killpg(self.process.pid, signal.SIGTERM)  # its own session: this group is the server alone
             try:
                 self.process.wait(timeout=15)
@@ -337,10 +346,13 @@ def main(argv=None) -> list[dict]:
                 print(f"starting {name} on {server.url} (log {server.log})", flush=True)
                 server.wait_ready(args.start_timeout)
                 stream_request(server_client(server), str(folder), prompts[0], 16)  # warm-up, untimed
+                server.pause()
         for step, (name, c) in enumerate(plan, 1):
             server = servers[name]
             log_start = server.log.stat().st_size
+            server.resume()  # the only server running while it is measured
             level_rows, wall = run_level(server, str(folder), prompts, c, args.requests, args.max_tokens)
+            server.pause()
             with server.log.open(errors="replace") as log:
                 log.seek(log_start)
                 taus = [float(m.group(1)) for m in TAU.finditer(log.read())]

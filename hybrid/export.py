@@ -76,9 +76,13 @@ def export_served(out: str | Path, verifier: str | Path | None = None, drafter: 
         if file.is_file():
             _link_or_copy(file, out / file.name)
     (out / GLUE).parent.mkdir(exist_ok=True)
-    repo = Path(__file__).resolve().parent.parent
-    (out / GLUE).write_text(GLUE_TEMPLATE.format(mark=GLUE_MARK, drafter=drafter, repo=repo))
+    (out / GLUE).write_text(glue_source(drafter))
     return out
+
+
+def glue_source(drafter: str) -> str:
+    """The text of the folder's custom_generate/generate.py for `drafter`."""
+    return GLUE_TEMPLATE.format(mark=GLUE_MARK, drafter=drafter, repo=Path(__file__).resolve().parent.parent)
 
 
 def _prepare(out: Path) -> None:

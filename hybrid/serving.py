@@ -26,12 +26,12 @@ def require_serving() -> None:
 
 def served_default(drafter: str) -> Path:
     """The served folder of the embedded default verifier with `drafter`, exported into the cache on first use."""
-    from hybrid.export import GLUE, export_served
+    from hybrid.export import GLUE, export_served, glue_source
     from verifiers.embedded import MODEL_NAME, cache_dir
 
     out = cache_dir() / "served" / f"{MODEL_NAME}-{drafter}"
     glue = out / GLUE
-    if not (glue.is_file() and f"DRAFTER = {drafter!r}" in glue.read_text() and (out / "config.json").is_file()):
+    if not (glue.is_file() and glue.read_text() == glue_source(drafter) and (out / "config.json").is_file()):
         print(f"hybrid: exporting the default verifier with drafter {drafter!r} to {out} (once)", file=sys.stderr)
         export_served(out, drafter=drafter)
     return out

@@ -160,6 +160,15 @@ def test_export_refuses_what_it_cannot_serve(verifier_dir, tmp_path):
     assert "DRAFTER = 'prompt-lookup'" in (again / GLUE).read_text()
 
 
+def test_the_export_command_writes_the_folder(verifier_dir, tmp_path, capsys):
+    from hybrid import cli
+
+    assert cli.main(["export-served", str(tmp_path / "out"), "--verifier", str(verifier_dir), "--drafter", "none"]) == 0
+    assert capsys.readouterr().out.strip() == str(tmp_path / "out")
+    assert "DRAFTER = 'none'" in (tmp_path / "out" / GLUE).read_text()
+    assert (tmp_path / "out" / "model.safetensors").is_file() and (tmp_path / "out" / "tokenizer.json").is_file()
+
+
 # --------------------------------------------------------------------------- through transformers serve
 
 
@@ -362,3 +371,71 @@ def test_hybrid_serve_refuses_what_would_bypass_hybrid(served, monkeypatch):
     monkeypatch.setattr("transformers.utils.import_utils.is_serve_available", lambda: False)
     with pytest.raises(SystemExit, match=r'needs the serving extra: pip install -e "\.\[serving\]"'):
         serving.require_serving()
+
+
+# --------------------------------------------------------------------------- python -m experiments.serving
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--servers", "hybrid,vllm"], r"--servers \['vllm'\]: choose from hybrid, plain, plain-cb"),
+        (["--concurrency", "1,x"], r"--concurrency '1,x': give whole numbers"),
+        (["--concurrency", "1,4", "--requests", "2"], r"--requests 2 < concurrency 4: every client sends one"),
+        (["--max-tokens", "0"], r"--max-tokens must be at least 1"),
+    ],
+)
+def test_the_load_generator_refuses_bad_settings_before_starting_anything(argv, message, capsys):
+    from experiments import serving
+
+    with pytest.raises(SystemExit):
+        serving.parse_args(argv)
+    assert re.search(message, capsys.readouterr().err)
+
+
+def started_servers(monkeypatch) -> list:
+    """Record every server experiments.serving starts."""
+    from experiments import serving
+
+    started = []
+
+    class Recorded(serving.Server):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            started.append(self)
+
+    monkeypatch.setattr(serving, "Server", Recorded)
+    return started
+
+
+def test_the_load_generator_stops_its_servers_on_ctrl_c(monkeypatch, tmp_path):
+    from experiments import serving
+
+    started = started_servers(monkeypatch)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(serving, "run_level", interrupted)
+    argv = ["--verifier", "tiny", "--drafter", "none", "--servers", "plain", "--concurrency", "1", "--requests", "1"]
+    with pytest.raises(KeyboardInterrupt):
+        serving.main([*argv, "--max-tokens", "4", "--out", str(tmp_path)])
+    assert len(started) == 1 and started[0].process.poll() is not None  # stopped
+    assert not (tmp_path / "requests.jsonl").exists()  # nothing half-measured is kept
+
+
+@pytest.mark.slow
+def test_the_load_generator_measures_every_server_and_resumes(monkeypatch, tmp_path):
+    from experiments import serving
+
+    started = started_servers(monkeypatch)
+    argv = ["--verifier", "tiny", "--drafter", "prompt-lookup", "--concurrency", "1,2", "--requests", "2"]
+    argv += ["--max-tokens", "8", "--out", str(tmp_path)]
+    summary = serving.main(argv)
+    assert len(started) == 3 and all(server.process.poll() is not None for server in started)
+    assert {(s["server"], s["concurrency"]) for s in summary} == {(n, c) for n in serving.SERVERS for c in (1, 2)}
+    for s in summary:
+        assert s["requests"] == 2 and s["mean_tokens"] == 8 and s["same_text_as_plain"] == "2/2"
+        assert (s["mean_tau"] is not None) == (s["server"] == "hybrid")
+    assert {"report.md", "summary.json", "latency.png"} <= {p.name for p in tmp_path.iterdir()}
+    assert serving.main(argv) == summary and len(started) == 3  # resumed: nothing left to measure, no server
