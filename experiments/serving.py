@@ -97,7 +97,7 @@ class Server:
             self.resume()  # a frozen process would not act on SIGTERM
             os.killpg(self.process.pid, signal.SIGTERM)  # its own session: this group is the server alone
             try:
-                self.process.wait(timeout=15)
+                self.process.wait(timeout=5)  # uvicorn waits for open streams to end: not for long
             except subprocess.TimeoutExpired:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait()
@@ -240,14 +240,17 @@ def plot(summary: list[dict], path: Path) -> bool:
     import matplotlib.pyplot as plt
 
     fig, (ttft_ax, speed_ax) = plt.subplots(1, 2, figsize=(10, 3.8))
-    for server in dict.fromkeys(s["server"] for s in summary):
+    levels = sorted({s["concurrency"] for s in summary})
+    for i, server in enumerate(dict.fromkeys(s["server"] for s in summary)):
         mine = sorted((s for s in summary if s["server"] == server), key=lambda s: s["concurrency"])
         xs = [s["concurrency"] for s in mine]
-        for q, style in (("p50", "-o"), ("p95", "--x")):
-            ttft_ax.plot(xs, [s[f"ttft_{q}"] for s in mine], style, label=f"{server} {q}")
-            speed_ax.plot(xs, [s[f"tokens_per_s_{q}"] for s in mine], style, label=f"{server} {q}")
+        for q, style in (("p50", "-o"), ("p95", "--x")):  # one colour per server: solid p50, dashed p95
+            ttft_ax.plot(xs, [s[f"ttft_{q}"] for s in mine], style, color=f"C{i}", label=f"{server} {q}")
+            speed_ax.plot(xs, [s[f"tokens_per_s_{q}"] for s in mine], style, color=f"C{i}", label=f"{server} {q}")
     for ax, label in ((ttft_ax, "time to first token (s)"), (speed_ax, "per-request tokens/s")):
         ax.set_xscale("log", base=2)
+        ax.set_xticks(levels, [str(c) for c in levels])
+        ax.minorticks_off()
         ax.set_xlabel("concurrent clients")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
@@ -335,8 +338,12 @@ def main(argv=None) -> list[dict]:
     ]
     print(f"{len(finished)} levels already measured in {out}, {len(plan)} to go", flush=True)
 
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `finally` stops the servers on kill, too
+    # `finally` stops the servers on Ctrl-C and on kill; SIGINT is set explicitly since a shell starting this in the
+    # background makes it ignore SIGINT.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     servers: dict[str, Server] = {}
+    began = time.perf_counter()
     try:
         if plan:
             folder = served_folder(args.verifier, args.drafter, out)
@@ -347,6 +354,7 @@ def main(argv=None) -> list[dict]:
                 server.wait_ready(args.start_timeout)
                 stream_request(server_client(server), str(folder), prompts[0], 16)  # warm-up, untimed
                 server.pause()
+                print(f"{name} ready and warmed up after {time.perf_counter() - began:.0f} s", flush=True)
         for step, (name, c) in enumerate(plan, 1):
             server = servers[name]
             log_start = server.log.stat().st_size
@@ -365,11 +373,13 @@ def main(argv=None) -> list[dict]:
             ttft = [r["ttft"] for r in new]
             speed = [r["tokens_per_s"] for r in new]
             print(
-                f"[{step}/{len(plan)}] {name} x{c}: TTFT p50 {percentile(ttft, 50):.2f} s, "
+                f"[{step}/{len(plan)}, {time.perf_counter() - began:.0f} s] {name} x{c}: TTFT p50 {percentile(ttft, 50):.2f} s, "
                 f"tok/s p50 {percentile(speed, 50):.1f}, aggregate {sum(r['tokens'] for r in new) / wall:.1f} tok/s",
                 flush=True,
             )
     finally:
+        if servers:
+            print(f"stopping {', '.join(servers)}", flush=True)
         for server in servers.values():
             server.stop()
 

@@ -205,10 +205,10 @@ class Client:
             **extra,
         }
 
-    def post(self, body: dict | bytes) -> tuple[int, bytes]:
+    def post(self, body: dict | bytes, path: str = "/v1/chat/completions") -> tuple[int, bytes]:
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
         request = urllib.request.Request(
-            f"http://127.0.0.1:{self.port}/v1/chat/completions", data=data, headers={"content-type": "application/json"}
+            f"http://127.0.0.1:{self.port}{path}", data=data, headers={"content-type": "application/json"}
         )
         try:
             with urllib.request.urlopen(request, timeout=120) as response:
@@ -265,6 +265,18 @@ def test_greedy_text_through_the_server_equals_hybrid_generate(servers, referenc
     assert text == answer(PROMPTS[1], 24)
     assert events[-1]["usage"]["completion_tokens"] == 24
     assert servers["plain"].complete(PROMPTS[1], 24, temperature=0) == answer(PROMPTS[1], 24)
+
+
+def test_text_completions_decode_with_hybrid_too(servers, reference):
+    model, tokenizer, _ = reference
+    prompt = "def merge(a, b):"
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    out = hybrid.generate(model, ids, drafter=PromptLookupDrafter(), max_new_tokens=16, do_sample=False)
+    expected = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+    client = servers["hybrid"]
+    body = {"model": client.model, "prompt": prompt, "max_tokens": 16, "temperature": 0}
+    status, data = client.post(body, "/v1/completions")
+    assert status == 200 and json.loads(data)["choices"][0]["text"] == expected
 
 
 def test_a_seeded_sampled_request_repeats_and_equals_the_plain_servers(servers, reference):
