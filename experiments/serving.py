@@ -269,7 +269,7 @@ def served_folder(verifier: str, drafter: str, out: Path) -> Path:
     if verifier == "default":
         return served_default(drafter)
     if verifier == "tiny":
-        from experiments.acceptance import load_tiny_model
+        from experiments.models import load_tiny_model
 
         model, tokenizer = load_tiny_model()
         verifier = str(out / "tiny-verifier")

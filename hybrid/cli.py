@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     export.add_argument(
         "--drafter",
         default="default",
-        help=f"one of {', '.join(DRAFTER_NAMES)}, or a folder: a block-diffusion checkpoint or a causal LM "
+        help=f"one of {', '.join(DRAFTER_NAMES)}, or a folder: a block-diffusion checkpoint, a DFlash drafter or a causal LM "
         "sharing the verifier's tokenizer",
     )
     serve = sub.add_parser(

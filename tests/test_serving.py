@@ -25,8 +25,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 import hybrid
-from drafters import PromptLookupDrafter
-from hybrid.custom_generate import cached_drafter
+from drafters import DFlashDrafter, ModelDrafter, PromptLookupDrafter
+from hybrid.custom_generate import build_drafter, cached_drafter
 from hybrid.custom_generate import generate as glue_generate
 from hybrid.custom_generate.generate import _DRAFTERS
 from hybrid.export import GLUE, export_served
@@ -158,6 +158,23 @@ def test_export_refuses_what_it_cannot_serve(verifier_dir, tmp_path):
     again = export_served(tmp_path / "d", verifier_dir, "none")
     assert export_served(again, verifier_dir, "prompt-lookup") == again  # its own folder may be rewritten
     assert "DRAFTER = 'prompt-lookup'" in (again / GLUE).read_text()
+
+
+def test_a_drafter_folder_is_built_by_its_kind(verifier_dir, reference, tmp_path):
+    from test_dflash import write_dflash_folder
+
+    model, tokenizer, _ = reference
+    small = tmp_path / "small-lm"
+    tiny_model("llama", 256, 1, seed=3).save_pretrained(small)
+    ids = chat_ids(tokenizer, PROMPTS[1])
+    expected = model.generate(ids, max_new_tokens=16, do_sample=False)
+    for folder, kind in ((write_dflash_folder(tmp_path / "dflash", model), DFlashDrafter), (small, ModelDrafter)):
+        assert isinstance(build_drafter(str(folder), model), kind)
+        served = export_served(tmp_path / f"served-{folder.name}", verifier_dir, str(folder))
+        out = model.generate(
+            ids, max_new_tokens=16, do_sample=False, custom_generate=str(served), trust_remote_code=True
+        )
+        assert torch.equal(out, expected)
 
 
 def test_the_export_command_writes_the_folder(verifier_dir, tmp_path, capsys):

@@ -9,6 +9,7 @@ The file `python -m hybrid export-served` writes there names a drafter and calls
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 import threading
 import weakref
@@ -80,8 +81,8 @@ def cached_drafter(model, name: str) -> Drafter | None:
 def build_drafter(name: str, model, tokenizer=None) -> Drafter | None:
     """A drafter for the verifier `model` by name: "default" (the shipped drafter of the embedded default verifier:
     context lookup, n-gram store, block-diffusion model), "block" (that block model alone), "prompt-lookup", "none"
-    (None); or a folder: a block-diffusion checkpoint (drafter_config.json) or a causal LM sharing the verifier's
-    tokenizer (config.json), drafting autoregressively."""
+    (None); or a folder: a block-diffusion checkpoint (drafter_config.json), a DFlash drafter (config.json with
+    dflash_config) or a causal LM sharing the verifier's tokenizer (config.json), drafting autoregressively."""
     from drafters import BlockDiffusionDrafter, ModelDrafter, PromptLookupDrafter
     from hybrid.default import DRAFTER_DIR, default_drafter
 
@@ -96,6 +97,10 @@ def build_drafter(name: str, model, tokenizer=None) -> Drafter | None:
     path = Path(name)
     if (path / "drafter_config.json").is_file():
         return BlockDiffusionDrafter.from_pretrained(path, model, tokenizer=tokenizer)
+    if (path / "config.json").is_file() and "dflash_config" in json.loads((path / "config.json").read_text()):
+        from drafters import DFlashDrafter
+
+        return DFlashDrafter.from_pretrained(path, model, tokenizer=tokenizer)
     if (path / "config.json").is_file():
         from transformers import AutoModelForCausalLM
 
@@ -103,5 +108,5 @@ def build_drafter(name: str, model, tokenizer=None) -> Drafter | None:
         return ModelDrafter(small, tokenizer)
     raise ValueError(
         f"drafter {name!r} is neither one of {list(DRAFTER_NAMES)} nor a folder with drafter_config.json (a "
-        "block-diffusion drafter) or config.json (a causal LM that shares the verifier's tokenizer)"
+        "block-diffusion drafter) or config.json (a DFlash drafter, or a causal LM that shares the verifier's tokenizer)"
     )
