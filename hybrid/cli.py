@@ -1,7 +1,9 @@
-"""`python -m hybrid generate "PROMPT"`: stream an answer from the embedded default, then measure it.
+"""`python -m hybrid COMMAND`: answer a prompt, export a served model folder, or serve one.
 
-After streaming, the same prompt is decoded by plain `model.generate` in the same process, so the
-printed speed-up compares like with like, and the two outputs are checked for equality (greedy).
+`generate "PROMPT"` streams an answer from the embedded default, then decodes the same prompt with plain
+`model.generate` in the same process, so the printed speed-up compares like with like, and checks the two
+outputs for equality (greedy). `export-served OUT` writes a model folder whose `generate` is hybrid's
+(`hybrid.export`); `serve` runs `transformers serve` on one (`hybrid.serving`).
 """
 
 from __future__ import annotations
@@ -15,9 +17,8 @@ from transformers import TextStreamer
 
 import hybrid
 from drafters import PromptLookupDrafter
+from hybrid.custom_generate import DRAFTER_NAMES
 from verifiers.prompts import encode_prompt
-
-DRAFTERS = ("default", "block", "prompt-lookup", "none")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--max-new-tokens", type=int, default=256)
     gen.add_argument(
         "--drafter",
-        choices=sorted(DRAFTERS),
+        choices=sorted(DRAFTER_NAMES),
         default="default",
         help="default: the shipped block-diffusion drafter with n-gram lookup and the n-gram store; "
         "block: the model without either; none: plain decoding through the engine",
@@ -51,8 +52,57 @@ def main(argv: list[str] | None = None) -> int:
         help="static shapes (cache_implementation='static') for both runs: compiled, with CUDA graphs, "
         "on a GPU, as model.generate compiles a static cache; each run is warmed up untimed first",
     )
-    args = parser.parse_args(argv)
+    export = sub.add_parser(
+        "export-served",
+        help="write a model folder whose generate is hybrid's (for custom_generate, from_pretrained, transformers serve)",
+    )
+    export.add_argument("out", help="the folder to write")
+    export.add_argument("--verifier", default=None, help="a model folder (save_pretrained); default: the embedded one")
+    export.add_argument(
+        "--drafter",
+        default="default",
+        help=f"one of {', '.join(DRAFTER_NAMES)}, or a folder: a block-diffusion checkpoint, a DFlash drafter or a causal LM "
+        "sharing the verifier's tokenizer",
+    )
+    serve = sub.add_parser(
+        "serve",
+        help="an OpenAI-compatible server (transformers serve) decoding with hybrid; options after -- go to "
+        "transformers serve",
+    )
+    serve.add_argument("model", nargs="?", default=None, help="a folder from export-served (default: the embedded one)")
+    serve.add_argument(
+        "--drafter",
+        choices=sorted(DRAFTER_NAMES),
+        default=None,
+        help="the embedded verifier's drafter (default: default); a folder's drafter is fixed by export-served",
+    )
+    serve.add_argument("--device", default="cpu", help="where the model runs (cpu, cuda, cuda:1, auto)")
+    serve.add_argument("--host", default="localhost")
+    serve.add_argument("--port", type=int, default=8000)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    passed_on = argv[argv.index("--") + 1 :] if "--" in argv else []  # for transformers serve
+    args = parser.parse_args(argv[: len(argv) - len(passed_on) - 1] if "--" in argv else argv)
+    if passed_on and args.command != "serve":
+        parser.error(f"only serve takes options after --, got {' '.join(passed_on)}")
+    if args.command == "export-served":
+        from hybrid.export import export_served
 
+        print(export_served(args.out, args.verifier, args.drafter))
+        return 0
+    if args.command == "serve":
+        from hybrid.serving import serve, served_default
+
+        if args.model is not None and args.drafter is not None:
+            parser.error(
+                "--drafter chooses the embedded verifier's drafter; a served folder's is fixed by export-served"
+            )
+        folder = args.model or served_default(args.drafter or "default")
+        serve(folder, args.device, args.host, args.port, passed_on)
+        return 0
+    return _generate(args)
+
+
+def _generate(args) -> int:
     model, tokenizer, default_drafter = hybrid.load_default(args.device, device_map=args.device_map)
     drafters = {
         "default": lambda: default_drafter,

@@ -68,6 +68,18 @@ _ASSISTANT_ARGS = (
     "is_assistant",
     "speculation_type",
 )
+# `generate` arguments beyond GenerationConfig that this engine does not implement; None means "not asked for".
+_UNSUPPORTED_ARGS = (
+    "negative_prompt_ids",
+    "negative_prompt_attention_mask",
+    "custom_generate",
+    "inputs_embeds",
+    "cache",
+    "past_key_values",
+    "position_ids",
+)
+# Switches: False (or None) means "off", as `generate` reads them.
+_SWITCHES = ("synced_gpus", "trust_remote_code")
 
 
 def generate(
@@ -120,10 +132,11 @@ def generate(
             "hybrid.generate does not support use_cache=False: speculative decoding verifies drafts "
             "against the KV cache (the output is the same with it); drop use_cache"
         )
-    if "inputs" in kwargs:
+    inputs = kwargs.pop("inputs", None)  # `generate`'s name for the prompt; custom_generate passes it, maybe None
+    if inputs is not None:
         if input_ids is not None:
             raise TypeError("pass the prompt once: either input_ids or inputs")
-        input_ids = kwargs.pop("inputs")
+        input_ids = inputs
     call = {name: kwargs.pop(name, None) for name in _CALL_ARGS}
     _reject_unsupported_kwargs(model, kwargs)
 
@@ -249,6 +262,15 @@ def generate(
 
 
 def _reject_unsupported_kwargs(model, kwargs: dict) -> None:
+    """Raise on an argument that asks for what hybrid cannot do. One at its off value (None, or False where the
+    argument is a switch) asks for nothing: it is dropped from `kwargs`, as `generate` itself ignores it.
+    transformers' custom_generate path passes every `generate` parameter this way."""
+    refused = (*_SWITCHES, *_UNSUPPORTED_ARGS, *_ASSISTANT_ARGS)
+    for name, value in list(kwargs.items()):
+        if (name in refused or name.startswith("assistant")) and (
+            value is None or (value is False and name in _SWITCHES)
+        ):
+            del kwargs[name]
     for name in ("cache", "past_key_values"):
         if isinstance(kwargs.get(name), Cache):
             reason = foreign_cache_reason(model, kwargs[name])
@@ -267,22 +289,7 @@ def _reject_unsupported_kwargs(model, kwargs: dict) -> None:
             f"hybrid.generate does not take assisted-generation argument(s) {assistant}: "
             "pass drafter= (what proposes tokens) and scheduler= (how many to verify) instead"
         )
-    other = sorted(
-        k
-        for k in kwargs
-        if k
-        in (
-            "synced_gpus",
-            "negative_prompt_ids",
-            "negative_prompt_attention_mask",
-            "custom_generate",
-            "inputs_embeds",
-            "cache",
-            "past_key_values",
-            "position_ids",
-            "trust_remote_code",
-        )
-    )
+    other = sorted(k for k in kwargs if k in _UNSUPPORTED_ARGS or k in _SWITCHES)
     if other:
         raise TypeError(
             f"hybrid.generate does not support argument(s) {other}: it owns the cache and the inputs are token ids"

@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import inspect
+
+import pytest
 import torch
 from strategies import tiny_model
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+from transformers import (
+    GenerationConfig,
+    GenerationMixin,
+    LogitsProcessor,
+    LogitsProcessorList,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
 from transformers.generation.streamers import BaseStreamer
 
 import hybrid
@@ -118,3 +128,37 @@ def test_top_p_sampling_only_emits_tokens_inside_the_nucleus():
         )
         for token, scores in zip(out.sequences[0, PROMPT.shape[1] :], out.scores):
             assert torch.isfinite(scores[0, token])  # warped-out tokens have score -inf
+
+
+def _generate_defaults() -> dict:
+    """Every parameter of `model.generate` at its default: what transformers' custom_generate path passes on."""
+    parameters = inspect.signature(GenerationMixin.generate).parameters.values()
+    return {p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty}
+
+
+def test_every_generate_parameter_at_its_off_value_is_accepted():
+    """An argument at its off value asks for nothing: hybrid accepts it and decodes as generate does."""
+    defaults = _generate_defaults()
+    assert {"inputs", "synced_gpus", "assistant_model", "negative_prompt_ids"} <= defaults.keys()
+    expected = MODEL.generate(PROMPT, max_new_tokens=12, do_sample=False)
+    off = {**defaults, "inputs": PROMPT, "custom_generate": None}
+    out = hybrid.generate(MODEL, drafter=PromptLookupDrafter(), max_new_tokens=12, do_sample=False, **off)
+    assert torch.equal(out, expected)
+    extra_off = {"synced_gpus": False, "trust_remote_code": False, "past_key_values": None, "assistant_tokenizer": None}
+    out = hybrid.generate(MODEL, PROMPT, drafter=PromptLookupDrafter(), inputs=None, max_new_tokens=12, **extra_off)
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize(
+    "name, value, message",
+    [
+        ("synced_gpus", True, r"does not support argument\(s\) \['synced_gpus'\]"),
+        ("negative_prompt_ids", torch.tensor([[1, 2]]), r"does not support argument\(s\) \['negative_prompt_ids'\]"),
+        ("negative_prompt_attention_mask", torch.ones(1, 2), r"\['negative_prompt_attention_mask'\]"),
+        ("assistant_model", MODEL, r"assisted-generation argument\(s\) \['assistant_model'\]"),
+        ("trust_remote_code", True, r"does not support argument\(s\) \['trust_remote_code'\]"),
+    ],
+)
+def test_an_argument_that_asks_for_something_still_raises(name, value, message):
+    with pytest.raises(TypeError, match=message):
+        hybrid.generate(MODEL, PROMPT, drafter=PromptLookupDrafter(), max_new_tokens=4, **{name: value})

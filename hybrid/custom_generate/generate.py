@@ -1,0 +1,112 @@
+"""`model.generate` through `hybrid.generate`: the function behind transformers' `custom_generate`.
+
+transformers runs a folder's `custom_generate/generate.py` in place of `model.generate`, for
+`model.generate(ids, custom_generate=DIR, trust_remote_code=True)` and for every call on a model loaded with
+`from_pretrained(DIR, trust_remote_code=True)` (which is how `transformers serve DIR --trust-remote-code` loads it).
+The file `python -m hybrid export-served` writes there names a drafter and calls `generate` below.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import threading
+import weakref
+from pathlib import Path
+
+from transformers import GenerationMixin
+
+import hybrid
+from drafters import Drafter
+
+# One line per call: tokens, verifier forwards, tau and tokens/s (`python -m hybrid serve` prints them).
+logger = logging.getLogger("hybrid.serving")
+
+DRAFTER_NAMES = ("default", "block", "prompt-lookup", "none")
+
+# `model.generate`'s parameters in positional order (after self): a loaded folder's `model.generate(ids, config)`
+# arrives here as `*args`.
+_POSITIONAL = [
+    name
+    for name, parameter in inspect.signature(GenerationMixin.generate).parameters.items()
+    if parameter.kind is parameter.POSITIONAL_OR_KEYWORD
+][1:]
+
+# verifier -> {drafter name: drafter}; weak, so a drafter lives as long as its verifier and no longer
+# (`transformers serve` unloads an idle model).
+_DRAFTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_BUILDING = threading.Lock()  # two threads' first calls on one model build its drafter once
+
+
+def generate(*args, model=None, drafter: str | Drafter | None = "default", **kwargs):
+    """`model.generate(*args, **kwargs)`, decoded by `hybrid.generate` with `drafter`: a name (DRAFTER_NAMES) or a
+    drafter folder, built once per model; a `drafters.Drafter` as it is; None for plain decoding through the engine.
+
+    Returns what `model.generate` returns (with `return_stats=True`, `(output, stats)` as `hybrid.generate` does)
+    and logs each call's `GenerationStats.summary()` on the "hybrid.serving" logger.
+    """
+    if model is None:
+        raise TypeError(
+            "hybrid's custom_generate is a folder, not a Callable: for a Callable, transformers prepares the logits "
+            "processors and a cache itself and keeps the streamer from it; pass custom_generate=DIR (a folder "
+            "written by `python -m hybrid export-served DIR`) with trust_remote_code=True, or call hybrid.generate"
+        )
+    if len(args) > len(_POSITIONAL):
+        raise TypeError(f"generate() takes at most {len(_POSITIONAL)} positional arguments ({len(args)} given)")
+    for name, value in zip(_POSITIONAL, args):
+        if name in kwargs:
+            raise TypeError(f"generate() got multiple values for argument {name!r}")
+        kwargs[name] = value
+    if isinstance(drafter, Path):
+        drafter = str(drafter)
+    label = "no" if drafter in (None, "none") else drafter if isinstance(drafter, str) else type(drafter).__name__
+    if isinstance(drafter, str):
+        drafter = cached_drafter(model, drafter)
+    return_stats = kwargs.pop("return_stats", False)
+    output, stats = hybrid.generate(model, drafter=drafter, return_stats=True, **kwargs)
+    logger.info("%s drafter: %s", label, stats.summary())
+    return (output, stats) if return_stats else output
+
+
+def cached_drafter(model, name: str) -> Drafter | None:
+    """The drafter `name` for `model`, built on its first call and kept for the model's life."""
+    with _BUILDING:
+        per_model = _DRAFTERS.setdefault(model, {})
+        if name not in per_model:
+            per_model[name] = build_drafter(name, model)
+        return per_model[name]
+
+
+def build_drafter(name: str, model, tokenizer=None) -> Drafter | None:
+    """A drafter for the verifier `model` by name: "default" (the shipped drafter of the embedded default verifier:
+    context lookup, n-gram store, block-diffusion model), "block" (that block model alone), "prompt-lookup", "none"
+    (None); or a folder: a block-diffusion checkpoint (drafter_config.json), a DFlash drafter (config.json with
+    dflash_config) or a causal LM sharing the verifier's tokenizer (config.json), drafting autoregressively."""
+    from drafters import BlockDiffusionDrafter, ModelDrafter, PromptLookupDrafter
+    from hybrid.default import DRAFTER_DIR, default_drafter
+
+    if name == "none":
+        return None
+    if name == "prompt-lookup":
+        return PromptLookupDrafter()
+    if name == "default":
+        return default_drafter(model, tokenizer)
+    if name == "block":
+        return BlockDiffusionDrafter.from_pretrained(DRAFTER_DIR, model, tokenizer=tokenizer)
+    path = Path(name)
+    if (path / "drafter_config.json").is_file():
+        return BlockDiffusionDrafter.from_pretrained(path, model, tokenizer=tokenizer)
+    if (path / "config.json").is_file() and "dflash_config" in json.loads((path / "config.json").read_text()):
+        from drafters import DFlashDrafter
+
+        return DFlashDrafter.from_pretrained(path, model, tokenizer=tokenizer)
+    if (path / "config.json").is_file():
+        from transformers import AutoModelForCausalLM
+
+        small = AutoModelForCausalLM.from_pretrained(path, dtype=model.dtype).to(model.device).eval()
+        return ModelDrafter(small, tokenizer)
+    raise ValueError(
+        f"drafter {name!r} is neither one of {list(DRAFTER_NAMES)} nor a folder with drafter_config.json (a "
+        "block-diffusion drafter) or config.json (a DFlash drafter, or a causal LM that shares the verifier's tokenizer)"
+    )

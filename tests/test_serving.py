@@ -1,0 +1,470 @@
+"""hybrid behind transformers' own plumbing: the exported folder (custom_generate, from_pretrained) and
+`transformers serve` on loopback, with a tiny random Llama whose 256 tokens are whole printable characters (so a
+stream's text is exactly the decoded tokens)."""
+
+from __future__ import annotations
+
+import gc
+import http.client
+import json
+import logging
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+
+import hybrid
+from drafters import DFlashDrafter, ModelDrafter, PromptLookupDrafter
+from hybrid.custom_generate import build_drafter, cached_drafter
+from hybrid.custom_generate import generate as glue_generate
+from hybrid.custom_generate.generate import _DRAFTERS
+from hybrid.export import GLUE, export_served
+from hybrid.testing import tiny_model
+
+pytest.importorskip("fastapi", reason="the serving extra: pip install -e '.[serving]'")
+pytest.importorskip("openai", reason="the serving extra: pip install -e '.[serving]'")
+
+REPO = Path(__file__).resolve().parent.parent
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+PROMPTS = ["hello there", "write a sorted merge", "what is a hash table?", "tell me about rivers"]
+
+
+def printable_tokenizer() -> PreTrainedTokenizerFast:
+    """256 tokens, each one whole character (printable ASCII, newline, then CJK ideographs), no merges."""
+    from tokenizers import Tokenizer, decoders, models
+
+    chars = [chr(c) for c in range(32, 127)] + ["\n"] + [chr(c) for c in range(0x4E00, 0x4E00 + 160)]
+    backend = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(chars)}, merges=[], unk_token=" "))
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def verifier_dir(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("verifier")
+    tiny_model("llama", 256, 2, seed=0, max_position_embeddings=1024).save_pretrained(folder)
+    printable_tokenizer().save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def served(verifier_dir, tmp_path_factory) -> Path:
+    return export_served(tmp_path_factory.mktemp("served") / "tiny", verifier_dir, "prompt-lookup")
+
+
+@pytest.fixture(scope="module")
+def reference(verifier_dir):
+    """(model, tokenizer, greedy answer of `hybrid.generate` for a prompt and a length)."""
+    model = AutoModelForCausalLM.from_pretrained(verifier_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(verifier_dir)
+
+    def answer(prompt: str, max_new_tokens: int) -> str:
+        ids = chat_ids(tokenizer, prompt)
+        out = hybrid.generate(model, ids, drafter=PromptLookupDrafter(), max_new_tokens=max_new_tokens, do_sample=False)
+        return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+
+    return model, tokenizer, answer
+
+
+def chat_ids(tokenizer, prompt: str) -> torch.Tensor:
+    messages = [{"role": "user", "content": prompt}]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)[
+        "input_ids"
+    ]
+
+
+# --------------------------------------------------------------------------- the folder, without a server
+
+
+def test_the_folder_works_with_custom_generate_and_from_pretrained(served, reference):
+    model, tokenizer, _ = reference
+    ids = chat_ids(tokenizer, PROMPTS[0])
+    expected = model.generate(ids, max_new_tokens=20, do_sample=False)
+    by_path = model.generate(
+        ids, max_new_tokens=20, do_sample=False, custom_generate=str(served), trust_remote_code=True
+    )
+    assert torch.equal(by_path, expected)
+
+    loaded = AutoModelForCausalLM.from_pretrained(served, trust_remote_code=True)
+    out, stats = loaded.generate(ids, max_new_tokens=20, do_sample=False, return_stats=True)  # hybrid's generate
+    assert torch.equal(out, expected) and stats.new_tokens == 20
+    assert torch.equal(loaded.generate(ids, None, max_new_tokens=20), expected)  # positional, as generate takes them
+
+    plain = AutoModelForCausalLM.from_pretrained(served)  # without trust_remote_code: the plain verifier
+    assert not isinstance(plain.generate(ids, max_new_tokens=20, do_sample=False), tuple)
+
+
+def test_the_callable_form_is_refused_with_the_folder_form_named(reference):
+    model, tokenizer, _ = reference
+    with pytest.raises(TypeError, match=r"custom_generate is a folder, not a Callable.*export-served"):
+        model.generate(chat_ids(tokenizer, "hi"), max_new_tokens=4, custom_generate=glue_generate)
+
+
+def test_the_drafter_is_built_once_per_model_and_dies_with_it(verifier_dir, reference):
+    _, tokenizer, _ = reference
+    model = AutoModelForCausalLM.from_pretrained(verifier_dir).eval()
+    ids = chat_ids(tokenizer, "hi")
+    glue_generate(ids, model=model, drafter="prompt-lookup", max_new_tokens=4)
+    drafter = _DRAFTERS[model]["prompt-lookup"]
+    glue_generate(ids, model=model, drafter="prompt-lookup", max_new_tokens=4)
+    assert cached_drafter(model, "prompt-lookup") is drafter
+
+    # The cache alone does not keep a model alive (hybrid.generate's default scheduler, kept per verifier, does
+    # hold it: a fresh model, never decoded, shows the cache's own part).
+    fresh = AutoModelForCausalLM.from_pretrained(verifier_dir).eval()
+    fresh_drafter = cached_drafter(fresh, "prompt-lookup")
+    model_ref, drafter_ref = weakref.ref(fresh), weakref.ref(fresh_drafter)
+    del fresh, fresh_drafter
+    gc.collect()
+    assert model_ref() is None and drafter_ref() is None
+
+
+def test_each_call_logs_tau_and_tokens_per_second(reference, caplog):
+    model, tokenizer, _ = reference
+    with caplog.at_level(logging.INFO, logger="hybrid.serving"):
+        glue_generate(chat_ids(tokenizer, "hi"), model=model, drafter="none", max_new_tokens=6)
+    assert re.search(r"no drafter: 6 tokens in 6 verifier forwards: tau 1\.00, [0-9.]+ tok/s", caplog.text)
+
+
+def test_export_refuses_what_it_cannot_serve(verifier_dir, tmp_path):
+    with pytest.raises(ValueError, match=r"drafter 'nonsense' is neither one of \['default', 'block'"):
+        export_served(tmp_path / "a", verifier_dir, "nonsense")
+    with pytest.raises(ValueError, match=r"built from another verifier.s answers"):  # the shipped drafter is SmolLM2's
+        export_served(tmp_path / "b", verifier_dir, "default")
+    with pytest.raises(ValueError, match=r"no config.json there"):
+        export_served(tmp_path / "c", tmp_path, "none")
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep me")
+    with pytest.raises(ValueError, match=r"was not written by export-served"):
+        export_served(foreign, verifier_dir, "none")
+    assert (foreign / "notes.txt").read_text() == "keep me"
+    again = export_served(tmp_path / "d", verifier_dir, "none")
+    assert export_served(again, verifier_dir, "prompt-lookup") == again  # its own folder may be rewritten
+    assert "DRAFTER = 'prompt-lookup'" in (again / GLUE).read_text()
+
+
+def test_a_drafter_folder_is_built_by_its_kind(verifier_dir, reference, tmp_path):
+    from test_dflash import write_dflash_folder
+
+    model, tokenizer, _ = reference
+    small = tmp_path / "small-lm"
+    tiny_model("llama", 256, 1, seed=3).save_pretrained(small)
+    ids = chat_ids(tokenizer, PROMPTS[1])
+    expected = model.generate(ids, max_new_tokens=16, do_sample=False)
+    for folder, kind in ((write_dflash_folder(tmp_path / "dflash", model), DFlashDrafter), (small, ModelDrafter)):
+        assert isinstance(build_drafter(str(folder), model), kind)
+        served = export_served(tmp_path / f"served-{folder.name}", verifier_dir, str(folder))
+        out = model.generate(
+            ids, max_new_tokens=16, do_sample=False, custom_generate=str(served), trust_remote_code=True
+        )
+        assert torch.equal(out, expected)
+
+
+def test_the_export_command_writes_the_folder(verifier_dir, tmp_path, capsys):
+    from hybrid import cli
+
+    assert cli.main(["export-served", str(tmp_path / "out"), "--verifier", str(verifier_dir), "--drafter", "none"]) == 0
+    assert capsys.readouterr().out.strip() == str(tmp_path / "out")
+    assert "DRAFTER = 'none'" in (tmp_path / "out" / GLUE).read_text()
+    assert (tmp_path / "out" / "model.safetensors").is_file() and (tmp_path / "out" / "tokenizer.json").is_file()
+
+
+# --------------------------------------------------------------------------- through transformers serve
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def wait_healthy(port: int, process: subprocess.Popen | None = None, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert process is None or process.poll() is None, "the server exited while starting"
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.2)
+    raise TimeoutError(f"no server on port {port} after {timeout} s")
+
+
+class Client:
+    """Chat requests to one served folder on loopback, read as raw HTTP (status, SSE events)."""
+
+    def __init__(self, port: int, model: str):
+        self.port, self.model = port, model
+
+    def body(self, prompt: str, max_tokens: int, **extra) -> dict:
+        return {
+            "model": self.model,
+            "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": max_tokens,
+            **extra,
+        }
+
+    def post(self, body: dict | bytes, path: str = "/v1/chat/completions") -> tuple[int, bytes]:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}{path}", data=data, headers={"content-type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=120) as response:
+                return response.status, response.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()
+
+    def complete(self, prompt: str, max_tokens: int, **extra) -> str:
+        status, data = self.post(self.body(prompt, max_tokens, **extra))
+        assert status == 200, data
+        return json.loads(data)["choices"][0]["message"]["content"]
+
+    def stream(self, prompt: str, max_tokens: int, **extra) -> tuple[str, list[dict]]:
+        """(text, events) of a streaming request."""
+        status, data = self.post(self.body(prompt, max_tokens, stream=True, **extra))
+        assert status == 200, data
+        events = [json.loads(line[6:]) for line in data.decode().splitlines() if line.startswith("data: ")]
+        text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e.get("choices"))
+        return text, events
+
+
+@pytest.fixture(scope="module")
+def servers(served):
+    """transformers serve on the served folder, in this process: with trust_remote_code (hybrid) and without."""
+    from transformers.cli.serve import Serve
+
+    running = {}
+    try:
+        for name, trust in (("hybrid", True), ("plain", False)):
+            port = free_port()
+            running[name] = (
+                Serve(
+                    force_model=str(served),
+                    trust_remote_code=trust,
+                    device="cpu",
+                    host="127.0.0.1",
+                    port=port,
+                    non_blocking=True,
+                ),
+                Client(port, str(served)),
+            )
+            wait_healthy(port)
+        yield {name: client for name, (_, client) in running.items()}
+    finally:
+        for server, _ in running.values():
+            server.kill_server()
+
+
+def test_greedy_text_through_the_server_equals_hybrid_generate(servers, reference):
+    _, _, answer = reference
+    hybrid_server = servers["hybrid"]
+    assert hybrid_server.complete(PROMPTS[1], 24, temperature=0) == answer(PROMPTS[1], 24)
+    text, events = hybrid_server.stream(PROMPTS[1], 24, temperature=0)
+    assert text == answer(PROMPTS[1], 24)
+    assert events[-1]["usage"]["completion_tokens"] == 24
+    assert servers["plain"].complete(PROMPTS[1], 24, temperature=0) == answer(PROMPTS[1], 24)
+
+
+def test_text_completions_decode_with_hybrid_too(servers, reference):
+    model, tokenizer, _ = reference
+    prompt = "def merge(a, b):"
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    out = hybrid.generate(model, ids, drafter=PromptLookupDrafter(), max_new_tokens=16, do_sample=False)
+    expected = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+    client = servers["hybrid"]
+    body = {"model": client.model, "prompt": prompt, "max_tokens": 16, "temperature": 0}
+    status, data = client.post(body, "/v1/completions")
+    assert status == 200 and json.loads(data)["choices"][0]["text"] == expected
+
+
+def test_a_seeded_sampled_request_repeats_and_equals_the_plain_servers(servers, reference):
+    _, _, answer = reference
+    sampling = {"generation_config": json.dumps({"do_sample": True, "temperature": 1.0, "top_k": 0}), "seed": 11}
+    first = servers["hybrid"].complete(PROMPTS[2], 32, **sampling)
+    assert first != answer(PROMPTS[2], 32)  # it sampled
+    assert servers["hybrid"].complete(PROMPTS[2], 32, **sampling) == first
+    assert servers["plain"].complete(PROMPTS[2], 32, **sampling) == first
+
+
+def test_concurrent_requests_never_mix_outputs(servers, reference):
+    _, _, answer = reference
+    expected = {p: answer(p, 20) for p in PROMPTS}
+    got = {}
+
+    def ask(prompt: str) -> None:
+        got[prompt] = servers["hybrid"].stream(prompt, 20, temperature=0)[0]
+
+    threads = [threading.Thread(target=ask, args=(p,)) for p in PROMPTS * 2]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert got == expected
+
+
+def test_an_unsupported_setting_is_a_clear_error_and_the_next_request_is_fine(servers, reference):
+    _, _, answer = reference
+    beams = {"generation_config": json.dumps({"num_beams": 4})}
+    _, events = servers["hybrid"].stream(PROMPTS[0], 8, **beams)
+    assert (
+        "hybrid.generate does not support num_beams=4: beam search is not speculative; use num_beams=1"
+        in (events[-1]["error"])
+    )
+    status, _ = servers["hybrid"].post(servers["hybrid"].body(PROMPTS[0], 8, **beams))
+    assert status == 500  # transformers serve answers a failed non-streaming generate so; the log has the message
+    assert servers["hybrid"].complete(PROMPTS[0], 12, temperature=0) == answer(PROMPTS[0], 12)
+
+
+def test_a_malformed_request_is_refused_and_the_next_one_is_fine(servers, reference):
+    _, _, answer = reference
+    client = servers["hybrid"]
+    status, data = client.post(b"{not json")
+    assert status == 422 and b"JSON decode error" in data
+    status, data = client.post({**client.body(PROMPTS[0], 8), "bogus": 1})
+    assert status == 422 and b"bogus" in data
+    assert client.complete(PROMPTS[0], 12, temperature=0) == answer(PROMPTS[0], 12)
+
+
+def test_a_client_that_disconnects_mid_stream_aborts_its_generation(servers, reference, caplog):
+    _, _, answer = reference
+    client = servers["hybrid"]
+    connection = http.client.HTTPConnection("127.0.0.1", client.port, timeout=60)
+    body = client.body(PROMPTS[3], 900, stream=True, temperature=0)
+    with caplog.at_level(logging.INFO, logger="hybrid.serving"):
+        connection.request("POST", "/v1/chat/completions", json.dumps(body), {"content-type": "application/json"})
+        response = connection.getresponse()
+        assert response.status == 200
+        assert response.readline().startswith(b"data: ")  # the stream has begun
+        connection.sock.shutdown(socket.SHUT_RDWR)
+        connection.close()
+        assert client.complete(PROMPTS[0], 12, temperature=0) == answer(PROMPTS[0], 12)
+    logged = re.findall(r"(\d+) tokens in", caplog.text)
+    assert logged == ["12"]  # the abandoned request stopped without finishing its 900 tokens
+
+
+# --------------------------------------------------------------------------- python -m hybrid serve
+
+
+def test_hybrid_serve_runs_transformers_serve_and_logs_each_request(served, reference, tmp_path):
+    _, _, answer = reference
+    port = free_port()
+    log = tmp_path / "server.log"
+    env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", HF_HUB_DISABLE_UPDATE_CHECK="1")
+    with log.open("w") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "hybrid", "serve", str(served), "--host", "127.0.0.1", "--port", str(port)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+    try:
+        wait_healthy(port, process)
+        assert Client(port, str(served)).complete(PROMPTS[0], 10, temperature=0) == answer(PROMPTS[0], 10)
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    assert re.search(
+        r"hybrid: prompt-lookup drafter: 10 tokens in \d+ verifier forwards: tau [0-9.]+, [0-9.]+ tok/s",
+        log.read_text(),
+    )
+
+
+def test_hybrid_serve_refuses_what_would_bypass_hybrid(served, monkeypatch):
+    from hybrid import cli, serving
+
+    with pytest.raises(SystemExit, match=r"--continuous-batching serves requests without model.generate"):
+        cli.main(["serve", str(served), "--", "--continuous-batching"])
+    with pytest.raises(SystemExit):  # a folder's drafter is fixed when it is exported
+        cli.main(["serve", str(served), "--drafter", "none"])
+    with pytest.raises(SystemExit, match=r"has no custom_generate/generate.py: write the folder with"):
+        cli.main(["serve", str(served.parent)])
+    monkeypatch.setattr("transformers.utils.import_utils.is_serve_available", lambda: False)
+    with pytest.raises(SystemExit, match=r'needs the serving extra: pip install -e "\.\[serving\]"'):
+        serving.require_serving()
+
+
+# --------------------------------------------------------------------------- python -m experiments.serving
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--servers", "hybrid,vllm"], r"--servers \['vllm'\]: choose from hybrid, plain, plain-cb"),
+        (["--concurrency", "1,x"], r"--concurrency '1,x': give whole numbers"),
+        (["--concurrency", "1,4", "--requests", "2"], r"--requests 2 < concurrency 4: every client sends one"),
+        (["--max-tokens", "0"], r"--max-tokens must be at least 1"),
+    ],
+)
+def test_the_load_generator_refuses_bad_settings_before_starting_anything(argv, message, capsys):
+    from experiments import serving
+
+    with pytest.raises(SystemExit):
+        serving.parse_args(argv)
+    assert re.search(message, capsys.readouterr().err)
+
+
+def started_servers(monkeypatch) -> list:
+    """Record every server experiments.serving starts."""
+    from experiments import serving
+
+    started = []
+
+    class Recorded(serving.Server):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            started.append(self)
+
+    monkeypatch.setattr(serving, "Server", Recorded)
+    return started
+
+
+def test_the_load_generator_stops_its_servers_on_ctrl_c(monkeypatch, tmp_path):
+    from experiments import serving
+
+    started = started_servers(monkeypatch)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(serving, "run_level", interrupted)
+    argv = ["--verifier", "tiny", "--drafter", "none", "--servers", "plain", "--concurrency", "1", "--requests", "1"]
+    with pytest.raises(KeyboardInterrupt):
+        serving.main([*argv, "--max-tokens", "4", "--out", str(tmp_path)])
+    assert len(started) == 1 and started[0].process.poll() is not None  # stopped
+    assert not (tmp_path / "requests.jsonl").exists()  # nothing half-measured is kept
+
+
+@pytest.mark.slow
+def test_the_load_generator_measures_every_server_and_resumes(monkeypatch, tmp_path):
+    from experiments import serving
+
+    started = started_servers(monkeypatch)
+    argv = ["--verifier", "tiny", "--drafter", "prompt-lookup", "--concurrency", "1,2", "--requests", "2"]
+    argv += ["--max-tokens", "8", "--out", str(tmp_path)]
+    summary = serving.main(argv)
+    assert len(started) == 3 and all(server.process.poll() is not None for server in started)
+    assert {(s["server"], s["concurrency"]) for s in summary} == {(n, c) for n in serving.SERVERS for c in (1, 2)}
+    for s in summary:
+        assert s["requests"] == 2 and s["mean_tokens"] == 8 and s["same_text_as_plain"] == "2/2"
+        assert (s["mean_tau"] is not None) == (s["server"] == "hybrid")
+    assert {"report.md", "summary.json", "latency.png"} <= {p.name for p in tmp_path.iterdir()}
+    assert serving.main(argv) == summary and len(started) == 3  # resumed: nothing left to measure, no server
