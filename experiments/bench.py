@@ -15,7 +15,8 @@ scheduler after `@` (`hybrid-block-lookup@fixed-4`, names as in schedulers.regis
 `generate`'s default (cost-aware, learning across the prompts). Plain and hybrid methods take a cache layout
 after `+`: `+static` (`cache_implementation="static"`, run eagerly) or `+compiled` (static and compiled as
 `model.generate` compiles a static cache: CUDA graphs on a GPU, inductor on a CPU), e.g.
-`plain+compiled,hybrid-default+compiled@fixed-8`. A compiled method runs each prompt once untimed first
+`plain+compiled,hybrid-default+compiled@fixed-8`. `+rejection` runs a hybrid method under
+`acceptance="rejection"` (min(1, p/q)) instead of the default match rule: exact in distribution, not identical. A compiled method runs each prompt once untimed first
 (compiling what its shapes need); those warm-up seconds are printed and kept in summary.json.
 
 Every (repeat, prompt, method) measurement is appended to OUT/bench.jsonl as it finishes; rerunning the
@@ -53,7 +54,7 @@ DEFAULT_METHODS = ("plain", "hf-lookup", "hybrid-none", "hybrid-lookup", "hybrid
 RECORDS_FILE = "bench.jsonl"
 _SCHEDULERS: dict[str, object] = {}  # one per "method+layout@scheduler", kept across prompts as the default one is
 WARM_UP: dict[str, float] = {}  # compiled method -> seconds of its warm-up call in this process
-LAYOUTS = ("static", "compiled")  # cache layouts a method may add after "+"
+LAYOUTS = ("static", "compiled", "rejection")  # what a method may add after "+": a cache layout, or hybrid's rule
 
 
 def parse_method(method: str) -> tuple[str, str | None, str | None]:
@@ -67,6 +68,8 @@ def layout_settings(layout: str | None) -> dict:
     """The `generate` arguments of a cache layout (the same for plain and hybrid methods)."""
     if layout is None:
         return {}
+    if layout == "rejection":  # not a layout: hybrid's other acceptance rule, min(1, p/q), when sampling
+        return {"acceptance": "rejection"}
     if layout == "static":
         return {"cache_implementation": "static", "disable_compile": True}
     config = CompileConfig()  # transformers' default: CUDA graphs on a GPU
@@ -101,7 +104,7 @@ def run_method(
     else:
         scheduler = FixedScheduler(16) if method == "oracle" and scheduler_name is None else None
         if scheduler_name is not None:
-            scheduler = _SCHEDULERS.setdefault(name, make_scheduler(scheduler_name, drafter.max_draft_len))
+            scheduler = _SCHEDULERS.setdefault(name, make_scheduler(scheduler_name, drafter.node_budget))
         out, stats = hybrid.generate(
             model, input_ids, drafter=drafter, scheduler=scheduler, return_stats=True, **settings
         )
@@ -287,6 +290,8 @@ def parse_args(argv):
             parser.error(f"{method}: unknown cache layout {layout!r}: choose from {', '.join(LAYOUTS)}")
         if layout is not None and base == "hf-lookup":
             parser.error(f"{method}: assisted generation takes no cache layout; use plain+{layout} or a hybrid method")
+        if layout == "rejection" and method_drafter(base) in (None, "none"):
+            parser.error(f"{method}: +rejection is hybrid's acceptance rule: give it a hybrid method with a drafter")
         if scheduler is not None:
             if method_drafter(base) in (None, "none"):
                 parser.error(f"{method}: only a hybrid method with a drafter takes a scheduler")

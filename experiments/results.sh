@@ -26,10 +26,16 @@ for set in humaneval mt-bench; do  # the static-shape path: eager and compiled, 
         --repeats 2 --methods plain,hybrid-default,hybrid-default+static,plain+compiled,hybrid-default+compiled \
         --out runs/bench-static-$set | tee runs/bench-static-$set/table.txt
 done
+# Token trees: the default with chains and with trees, by node budget, on our dev prompts.
+mkdir -p runs/bench-tree-dev && python -m experiments.bench --dataset dev --num-prompts 8 --max-new-tokens 256 --repeats 1 \
+    --methods plain,hybrid-default,hybrid-default-tree,hybrid-default-tree@fixed-16,hybrid-match-store \
+    --out runs/bench-tree-dev | tee runs/bench-tree-dev/table.txt
+python -m experiments.acceptance --datasets dev --drafters block-tree,default-tree --schedulers cost-aware \
+    --block-sizes 8,16,32,64 --num-prompts 4 --max-new-tokens 128 --out runs/tree-budget
 mkdir -p runs/batching-v9 && python -m experiments.batching --dataset mt-bench --num-prompts 8 --batch-sizes 1,2,4,8 \
     --max-new-tokens 64 --out runs/batching-v9 | tee runs/batching-v9/batching.txt
 for run in calibration default-v8 schedulers-v4 same-k trained-store-t07 bench-default-humaneval bench-default-mt-bench \
-    bench-static-humaneval bench-static-mt-bench batching-v9; do
+    bench-static-humaneval bench-static-mt-bench bench-tree-dev tree-budget batching-v9; do
     mkdir -p "docs/results/$run"
     cp runs/$run/*.png runs/$run/*.md runs/$run/*.csv runs/$run/*.json runs/$run/*.txt "docs/results/$run/" 2>/dev/null || true
 done

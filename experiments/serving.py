@@ -64,7 +64,7 @@ class Server:
             stdout=self._log_file,
             stderr=subprocess.STDOUT,
             env=env,
-            start_new_session=True,  # Ctrl-C reaches this script, which stops the server itself
+            process_group=0,  # its own process group: Ctrl-C reaches this script, which stops the server itself
         )
         self.url = f"http://{HOST}:{self.port}"
 
@@ -95,7 +95,7 @@ class Server:
     def stop(self) -> None:
         if self.process.poll() is None:
             self.resume()  # a frozen process would not act on SIGTERM
-            os.killpg(self.process.pid, signal.SIGTERM)  # its own session: this group is the server alone
+            os.killpg(self.process.pid, signal.SIGTERM)  # its own process group: the server alone
             try:
                 self.process.wait(timeout=5)  # uvicorn waits for open streams to end: not for long
             except subprocess.TimeoutExpired:

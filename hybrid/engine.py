@@ -117,7 +117,7 @@ def decode(
         row.stats.record(drafted=0, accepted=0, emitted=1)
     prefill_time = clock.lap()
     scheduler.reset(drafter, verifier.model)
-    scheduler.set_verify_width(verifier.padded_width)
+    scheduler.set_verify_width(verifier.width_rule())
     for b, row in enumerate(rows):
         row.stats.prefill_time = prefill_time
         row.ctx = DraftContext(

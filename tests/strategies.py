@@ -296,7 +296,7 @@ def schedulers_for(draw, drafter):
     if drafter is None or kind == "heuristic":
         return HeuristicScheduler(draw(st.integers(1, 4)))
     if kind == "fixed":
-        return FixedScheduler(draw(st.integers(1, drafter.max_draft_len)))
+        return FixedScheduler(draw(st.integers(1, drafter.node_budget)))
     if kind == "confidence":
         return ConfidenceScheduler(draw(st.sampled_from([0.0, 0.2, 0.6, 1.0])))
     return CostAwareScheduler(costs={1: 1.0, 17: draw(st.sampled_from([1.0, 2.5, 20.0]))})

@@ -514,7 +514,7 @@ def test_fixed_scheduler_zero(model, prompt, drafter):
 
 
 def test_fixed_scheduler_above_drafter_max_draft_len(model, prompt):
-    with pytest.raises(ValueError, match=r"k=8 must be an int in 1\.\.4 \(the drafter's max_draft_len\)"):
+    with pytest.raises(ValueError, match=r"k=8 must be an int in 1\.\.4 \(the drafter's node_budget\)"):
         gen(model, prompt, PromptLookupDrafter(max_draft_len=4), scheduler=FixedScheduler(8))
 
 

@@ -188,3 +188,26 @@ def test_bad_threshold(bad):
 def test_bad_fixed_k(k):
     with pytest.raises(ValueError, match="draft length k"):
         FixedScheduler(k).reset(PromptLookupDrafter(max_draft_len=16))
+
+
+def test_the_default_scheduler_lets_its_verifier_be_freed():
+    """The default scheduler is kept per verifier by weak reference: nothing it holds may keep the model alive."""
+    import gc
+    import weakref
+
+    import hybrid
+    from hybrid.testing import tiny_model
+
+    model = tiny_model("llama", 32, 1, seed=0)
+    for static in (None, "static"):
+        hybrid.generate(
+            model,
+            torch.tensor([[1, 2, 3]]),
+            drafter=PromptLookupDrafter(),
+            max_new_tokens=4,
+            cache_implementation=static,
+        )
+    alive = weakref.ref(model)
+    del model
+    gc.collect()
+    assert alive() is None

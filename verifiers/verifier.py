@@ -169,6 +169,14 @@ class Verifier:
         """Whether a verify may feed token trees: they need the per-row masks only some models take."""
         return self.row_mask_problem is None
 
+    def width_rule(self):
+        """`padded_width` as a plain function of m that holds no reference to this verifier or its model (a
+        scheduler kept per model by weak reference keeps it: a bound method would keep the model alive)."""
+        if not self.static:
+            return int
+        max_width = self.max_width
+        return lambda m: static_width(m, max_width)
+
     def padded_width(self, m: int) -> int:
         """Positions a verify of m tokens runs: m, or on the static path the width it is padded to."""
         return static_width(m, self.max_width) if self.static else m
