@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from drafters.base import Draft, DraftContext, Drafter, check_same_verifier
+from drafters.context import gather_context, sync_context
 from drafters.tree import tree_below
 
 CONFIG_NAME = "drafter_config.json"
@@ -309,28 +310,6 @@ class BlockDiffusionDrafter(Drafter):
             CONTEXT, (c.num_layers, 2, c.num_kv_heads, c.head_dim), self.model.norm.weight.dtype, self.device
         )
 
-    def _sync_context(self, ctx: DraftContext, committed: torch.Tensor) -> tuple[int, torch.Tensor]:
-        """Bring this row's projected context up to the verifier states of committed[:-1]; return its length n
-        and those states."""
-        states = ctx.hidden_states()
-        if states is None:
-            raise ValueError("the verifier keeps no hidden states: run BlockDiffusionDrafter through hybrid.generate")
-        states = states[0]
-        n = committed.shape[0] - 1
-        if states.shape[0] != n:
-            raise ValueError(
-                f"verifier has states for {states.shape[0]} tokens, expected {n} (committed minus the anchor)"
-            )
-        done = ctx.side_length(CONTEXT)
-        if done < n:
-            positions = torch.arange(done, n, device=states.device)[None]
-            features = self.model.features(states[None, done:n], self.embed(committed[None, done:n]))
-            context = self.model.context(features, positions)  # per layer [1, kv_heads, n - done, d] twice
-            rows = torch.stack([torch.stack([k[0], v[0]]) for k, v in context])  # [layers, 2, kv_heads, n - done, d]
-            self._context(ctx)[ctx.row, done:n] = rows.permute(3, 0, 1, 2, 4)
-            ctx.mark_computed(CONTEXT, n)
-        return n, states
-
     @torch.inference_mode()
     def block_logits(self, ctx: DraftContext, block: torch.Tensor, known: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits [B - 1, V'] for block positions 1.. given block tokens [B] where `known` [B]."""
@@ -343,24 +322,21 @@ class BlockDiffusionDrafter(Drafter):
         inputs, lengths = [], []
         for ctx, block, known in zip(ctxs, blocks, knowns):
             committed = ctx.input_ids[0]
-            n, states = self._sync_context(ctx, committed)
+
+            def project(states, positions, committed=committed):
+                return self.model.context(self.model.features(states, self.embed(committed[positions])), positions)
+
+            n, states = sync_context(ctx, CONTEXT, self._context(ctx), project, type(self).__name__)
             # The fused feature of the token before the anchor (zeros if none).
             last = (
-                self.model.features(states[n - 1], self.embed(committed[n - 1]))
+                self.model.features(states[0, n - 1], self.embed(committed[n - 1]))
                 if n
                 else self.model.feature_gate.new_zeros(self.model.feature_gate.shape)
             )
             inputs.append(self.model.block_inputs(self.embed(block), known, last))
             lengths.append(n)
-        static, size, buffer = ctxs[0].static, blocks.shape[1], self._context(ctxs[0])
-        slots = buffer.shape[1] if static else max(lengths)  # static: every slot, one shape at every step
-        rows = [ctx.row for ctx in ctxs]
-        # One row (always at batch 1) is a view, no copy; several are gathered.
-        pick = slice(rows[0], rows[0] + 1) if len(rows) == 1 else torch.tensor(rows, device=self.device)
-        picked = buffer[pick, :slots]  # [R, slots, layers, 2, kv_heads, d]
-        context = [
-            (picked[:, :, i, 0].transpose(1, 2), picked[:, :, i, 1].transpose(1, 2)) for i in range(picked.shape[2])
-        ]
+        static, size = ctxs[0].static, blocks.shape[1]
+        context, slots = gather_context(ctxs, self._context(ctxs[0]), lengths)
         n = torch.tensor(lengths, device=self.device)
         positions = n[:, None] + torch.arange(size, device=self.device)
         forward, mask = self.model, None

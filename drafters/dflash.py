@@ -31,6 +31,7 @@ from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
 from drafters.base import Draft, DraftContext, Drafter
+from drafters.context import gather_context, sync_context
 from drafters.tree import tree_below
 
 CONFIG_NAME = "config.json"
@@ -431,26 +432,6 @@ class DFlashDrafter(Drafter):
         per_token = (len(self.model.layers), 2, attention.num_kv_heads, attention.head_dim)
         return ctx.side_buffer(CONTEXT, per_token, self.model.dtype, self.device)
 
-    def _sync_context(self, ctx: DraftContext) -> int:
-        """Compute this row's context keys/values up to the verifier's states of the committed tokens but the anchor
-        (only those not computed yet); return how many tokens the context holds."""
-        states = ctx.hidden_states()
-        if states is None:
-            raise ValueError("the verifier keeps no hidden states: run DFlashDrafter through hybrid.generate")
-        n = ctx.input_ids.shape[1] - 1
-        if states.shape[1] != n:
-            raise ValueError(
-                f"verifier has states for {states.shape[1]} tokens, expected {n} (committed minus the anchor)"
-            )
-        done = ctx.side_length(CONTEXT)
-        if done < n:
-            positions = torch.arange(done, n, device=self.device)[None]
-            context = self.model.context(states[:, done:n].to(self.device), positions)
-            rows = torch.stack([torch.stack([k[0], v[0]]) for k, v in context])  # [layers, 2, kv_heads, new, d]
-            self._context(ctx)[ctx.row, done:n] = rows.permute(3, 0, 1, 2, 4)
-            ctx.mark_computed(CONTEXT, n)
-        return n
-
     def _block(self, ctx: DraftContext, given: Draft) -> torch.Tensor:
         """The block's tokens [B]: the anchor, the given tokens, then masks."""
         block = torch.full((self.block_size,), self.model.mask_token_id, dtype=torch.long, device=self.device)
@@ -462,17 +443,11 @@ class DFlashDrafter(Drafter):
     def block_logits(self, ctxs: list[DraftContext], blocks: torch.Tensor) -> torch.Tensor:
         """Logits [R, B - 1, vocab] of block positions 1.. for rows `ctxs` of one batch with block tokens [R, B], in
         one forward: row r's context is its first n_r slots of the side buffer, the slots past n_r are masked."""
-        lengths = [self._sync_context(ctx) for ctx in ctxs]
-        static, size, buffer = ctxs[0].static, blocks.shape[1], self._context(ctxs[0])
-        slots = buffer.shape[1] if static else max(lengths)  # static: every slot, one shape at every step
-        rows = [ctx.row for ctx in ctxs]
-        # One row (always at batch 1) is a view, no copy; several are gathered.
-        pick = slice(rows[0], rows[0] + 1) if len(rows) == 1 else torch.tensor(rows, device=self.device)
-        picked = buffer[pick, :slots]  # [R, slots, layers, 2, kv_heads, d]
-        context = [
-            (picked[:, :, i, 0].transpose(1, 2), picked[:, :, i, 1].transpose(1, 2))
-            for i in range(len(self.model.layers))
+        lengths = [
+            sync_context(ctx, CONTEXT, self._context(ctx), self.model.context, type(self).__name__)[0] for ctx in ctxs
         ]
+        static, size = ctxs[0].static, blocks.shape[1]
+        context, slots = gather_context(ctxs, self._context(ctxs[0]), lengths)
         n = torch.tensor(lengths, device=self.device)
         positions = n[:, None] + torch.arange(size, device=self.device)
         keys = torch.arange(slots + size, device=self.device)
