@@ -14,8 +14,11 @@ python -m experiments.acceptance --datasets mt-bench,humaneval --drafters defaul
 # Prompt lookup, the 1-layer AR baseline and the default at one k, all verifying 16 drafts.
 python -m experiments.acceptance --datasets mt-bench,humaneval --drafters lookup,ar,default --schedulers fixed --block-sizes 16 \
     --num-prompts 6 --max-new-tokens 256 --out runs/same-k
-python -m experiments.acceptance --datasets mt-bench,humaneval --drafters lookup-store,block-long-lookup-store \
-    --schedulers cost-aware --temperatures 0.7 --block-sizes 16 --num-prompts 6 --max-new-tokens 256 --out runs/trained-store-t07
+for set in mt-bench humaneval; do  # sampling at T = 0.7 under one seed per prompt: both acceptance rules
+    mkdir -p runs/bench-sampling-$set && python -m experiments.bench --dataset $set --num-prompts 4 --max-new-tokens 256 \
+        --repeats 1 --temperature 0.7 --top-p 0.9 --methods plain,hybrid-default,hybrid-default+rejection,hybrid-match-store \
+        --out runs/bench-sampling-$set | tee runs/bench-sampling-$set/table.txt
+done
 for set in humaneval mt-bench; do  # with repeats, interleaved
     mkdir -p runs/bench-default-$set && python -m experiments.bench --dataset $set --num-prompts 4 --max-new-tokens 256 --repeats 2 \
         --methods plain,hybrid-match-store,hybrid-default,hybrid-default@fixed-4,hybrid-default@fixed-11,hybrid-default@fixed-13,hybrid-default@fixed-16 \
@@ -34,7 +37,7 @@ python -m experiments.acceptance --datasets dev --drafters block-tree,default-tr
     --block-sizes 8,16,32,64 --num-prompts 4 --max-new-tokens 128 --out runs/tree-budget
 mkdir -p runs/batching-v9 && python -m experiments.batching --dataset mt-bench --num-prompts 8 --batch-sizes 1,2,4,8 \
     --max-new-tokens 64 --out runs/batching-v9 | tee runs/batching-v9/batching.txt
-for run in calibration default-v8 schedulers-v4 same-k trained-store-t07 bench-default-humaneval bench-default-mt-bench \
+for run in calibration default-v8 schedulers-v4 same-k bench-sampling-mt-bench bench-sampling-humaneval bench-default-humaneval bench-default-mt-bench \
     bench-static-humaneval bench-static-mt-bench bench-tree-dev tree-budget batching-v9; do
     mkdir -p "docs/results/$run"
     cp runs/$run/*.png runs/$run/*.md runs/$run/*.csv runs/$run/*.json runs/$run/*.txt "docs/results/$run/" 2>/dev/null || true
