@@ -35,10 +35,11 @@ mkdir -p runs/bench-tree-dev && python -m experiments.bench --dataset dev --num-
     --out runs/bench-tree-dev | tee runs/bench-tree-dev/table.txt
 python -m experiments.acceptance --datasets dev --drafters block-tree,default-tree --schedulers cost-aware \
     --block-sizes 8,16,32,64 --num-prompts 4 --max-new-tokens 128 --out runs/tree-budget
+python -m experiments.serving --concurrency 1,2,4 --requests 4 --max-tokens 256 --out runs/serving
 mkdir -p runs/batching-v9 && python -m experiments.batching --dataset mt-bench --num-prompts 8 --batch-sizes 1,2,4,8 \
     --max-new-tokens 64 --out runs/batching-v9 | tee runs/batching-v9/batching.txt
 for run in calibration default-v8 schedulers-v4 same-k bench-sampling-mt-bench bench-sampling-humaneval bench-default-humaneval bench-default-mt-bench \
-    bench-static-humaneval bench-static-mt-bench bench-tree-dev tree-budget batching-v9; do
+    bench-static-humaneval bench-static-mt-bench bench-tree-dev tree-budget serving batching-v9; do
     mkdir -p "docs/results/$run"
     cp runs/$run/*.png runs/$run/*.md runs/$run/*.csv runs/$run/*.json runs/$run/*.txt "docs/results/$run/" 2>/dev/null || true
 done
