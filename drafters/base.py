@@ -93,6 +93,8 @@ class Draft:
     def best_chain(self) -> Draft:
         """The path that always takes a node's first child: the draft's best chain, for verifiers that take no tree
         mask (the output is the same; only fewer tokens may be accepted)."""
+        if self.parents is None:
+            return self
         parents, path, last = self.parent_list(), [], -1
         for node, parent in enumerate(parents):
             if parent == last:
