@@ -216,22 +216,27 @@ def test_the_context_follows_the_cache_through_generate(folders, static):
     CheckedDFlashDrafter.checked = 0
     input_ids = torch.tensor([[0, 0, 3, 4, 5], [9, 8, 7, 6, 5]])
     mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    check_rows_decode_as_batch_one(verifier, drafter, input_ids, mask, static, max_new_tokens=6)
+    assert CheckedDFlashDrafter.checked >= 2 * 2
+
+
+def check_rows_decode_as_batch_one(verifier, drafter, input_ids, mask, static, max_new_tokens: int) -> None:
+    """A left-padded greedy batch through hybrid gives each row the greedy output of its unpadded prompt alone."""
     out = hybrid.generate(
         verifier,
         input_ids,
         attention_mask=mask,
         drafter=drafter,
         scheduler=FixedScheduler(3),
-        max_new_tokens=6,
+        max_new_tokens=max_new_tokens,
         do_sample=False,
         pad_token_id=0,
         cache_implementation=static,
     )
-    assert CheckedDFlashDrafter.checked >= 2 * 2
-    for row in range(2):  # and each row is its own greedy decoding
+    for row in range(input_ids.shape[0]):
         alone = input_ids[row : row + 1, mask[row].bool()]
-        expected = verifier.generate(alone, max_new_tokens=6, do_sample=False)
-        assert out[row, -6:].tolist() == expected[0, -6:].tolist()
+        expected = verifier.generate(alone, max_new_tokens=max_new_tokens, do_sample=False)
+        assert out[row, -max_new_tokens:].tolist() == expected[0, -max_new_tokens:].tolist()
 
 
 def with_lookup(data, drafter: DFlashDrafter):
@@ -293,22 +298,9 @@ def test_rows_drafted_in_one_forward_decode_as_batch_one(folders, data):
     """A left-padded batch (one forward of the drafter for all rows) gives each row its own greedy output."""
     verifier, folder = folders["llama", data.draw(st.sampled_from(sorted(VARIANTS)), label="variant")]
     drafter = DFlashDrafter.from_pretrained(folder, verifier)
-    input_ids, mask, rows = data.draw(padded_batches(VOCAB), label="batch")
+    input_ids, mask, _ = data.draw(padded_batches(VOCAB), label="batch")
     static = data.draw(st.sampled_from([None, "static"]), label="cache_implementation")
-    out = hybrid.generate(
-        verifier,
-        input_ids,
-        attention_mask=mask,
-        drafter=drafter,
-        scheduler=FixedScheduler(3),
-        max_new_tokens=8,
-        do_sample=False,
-        pad_token_id=0,
-        cache_implementation=static,
-    )
-    for r, row in enumerate(rows):
-        expected = verifier.generate(torch.tensor([row]), max_new_tokens=8, do_sample=False)
-        assert out[r, -8:].tolist() == expected[0, -8:].tolist()
+    check_rows_decode_as_batch_one(verifier, drafter, input_ids, mask, static, max_new_tokens=8)
 
 
 def test_sampled_drafts_report_the_distribution_they_were_drawn_from(folders):
