@@ -19,9 +19,11 @@ if [[ $DEVICE == cuda* ]]; then
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
 fi
 
-echo "== losslessness properties on $DEVICE (greedy == generate, batch rows == batch 1, cache rollback == prefill)"
+echo "== losslessness properties on $DEVICE (greedy and seeded sampling == generate, batch rows == batch 1, cache"
+echo "   rollback == prefill, token trees, DFlash-format drafters in bfloat16)"
 HYBRID_TEST_DEVICE=$DEVICE python -m pytest -q -p no:cacheprovider \
-  tests/test_greedy_lossless.py tests/test_batch.py tests/test_shared_cache.py tests/test_static_path.py 2>&1 \
+  tests/test_greedy_lossless.py tests/test_sampling_lossless.py tests/test_batch.py tests/test_shared_cache.py \
+  tests/test_static_path.py tests/test_trees.py tests/test_dflash.py 2>&1 \
   | tee "$OUT/properties.txt" | tail -3
 
 echo "== tiny random verifier: prompt lookup (random-weight regime) and oracle drafters"

@@ -1,11 +1,12 @@
 """What a verify of m positions costs on this device, measured, not assumed.
 
-The curve is not smooth: on the 2-core CPU this project was measured on, SmolLM2-135M costs 55 ms for
-m = 1, 90-110 ms for m = 2-3 but 73-80 ms for m = 4-5 (matrix kernels change with the shape). So every
-m from 1 to 17 is timed, and tree widths up to 65 (best of 2 forwards on a 64-token context, ~3 s), once per
-(model, dtype, device, threads), and cached on disk; later runs read the cache in well under a millisecond.
-Sizes between are interpolated and beyond the table extrapolated linearly. During a run, observed verify times rescale the curve (machine load changes), so
-the table only has to get the shape right.
+The curve is not smooth: on the 2-core CPU this project is measured on, SmolLM2-135M costs about as much
+for m = 2-4 as for m = 1, 1.2x for m = 8 and 2x for m = 16 (the few-row kernels of `verifiers.kernels` up
+to 8 rows, PyTorch's beyond; `python -m experiments.verify_costs` prints both curves). So every m from 1 to
+17 is timed, and tree widths up to 65 (best of 2 forwards on a 64-token context, ~3 s), once per (model,
+dtype, device, threads), and cached on disk; later runs read the cache in well under a millisecond. Sizes
+between are interpolated and beyond the table extrapolated linearly. During a run, observed verify times
+rescale the curve (machine load changes), so the table only has to get the shape right.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from transformers import DynamicCache
 
 from verifiers.cache import learned_position_limit
 from verifiers.embedded import cache_dir
+from verifiers.kernels import cpu_linears, narrow_linears
 
 # Every width of a chain of up to 16 drafts + the pending token, then tree widths (the curve is smooth there).
 PROBE_SIZES = (*range(1, 18), 24, 33, 49, 65)
@@ -38,14 +40,16 @@ def device_key(model) -> str:
         str(torch.get_num_threads()),
         torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else "",
         ",".join(map(str, PROBE_SIZES)),  # a table of other sizes is measured again
+        "narrow-linears",  # measured through the kernels a verify uses (verifiers.kernels)
     ]
     return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
 
 
 @torch.inference_mode()
-def measure_verify_costs(model, sizes=PROBE_SIZES, repeats: int = 2) -> dict[int, float]:
+def measure_verify_costs(model, sizes=PROBE_SIZES, repeats: int = 2, narrow: bool = True) -> dict[int, float]:
     """Seconds for one forward of m tokens after a CONTEXT-token cache (shorter where a learned position table
-    ends sooner), for each m in `sizes` that fits (best of `repeats`)."""
+    ends sooner), for each m in `sizes` that fits (best of `repeats`); through the few-row kernels an eager
+    verify uses (`verifiers.kernels`) unless `narrow` is False."""
     vocab = model.config.get_text_config().vocab_size
     limit = learned_position_limit(model)  # a learned position table bounds context + m
     sizes = tuple(m for m in sizes if limit is None or m < limit)
@@ -56,12 +60,14 @@ def measure_verify_costs(model, sizes=PROBE_SIZES, repeats: int = 2) -> dict[int
     cache.activate_past_recording()  # sliding-window layers keep what the crop below removes (as in Verifier)
     model(context, cache=cache, use_cache=True)
     costs = {m: float("inf") for m in sizes}
+    linears = cpu_linears(model) if narrow else []
     for m in (sizes[0], *sizes * repeats):  # the first forward only warms up
         tokens = torch.randint(0, vocab, (1, m), generator=generator).to(model.device)
         positions = torch.arange(length, length + m, device=model.device)[None]
         _sync(model)
         start = time.perf_counter()
-        model(tokens, position_ids=positions, cache=cache, use_cache=True)
+        with narrow_linears(linears):
+            model(tokens, position_ids=positions, cache=cache, use_cache=True)
         _sync(model)
         costs[m] = min(costs[m], time.perf_counter() - start)  # the minimum is the least disturbed by noise
         cache.crop(-m)

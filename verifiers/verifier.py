@@ -13,6 +13,7 @@ import torch
 from transformers import GenerationMixin, PreTrainedModel
 
 from verifiers.cache import SharedCache, attention_pattern, learned_position_limit, row_mask_problem, tree_layout
+from verifiers.kernels import cpu_linears, narrow_linears
 
 STATIC_CAPACITY_STEP = 256  # static caches are sized in multiples of this many slots
 
@@ -91,6 +92,9 @@ class Verifier:
         self.max_width = max_width
         self.compile_config = compile_config
         self.step_call = model if compile_config is None else model.get_compiled_call(compile_config)
+        # Eager CPU verifies run their few-row products at a one-token step's cost (`verifiers.kernels`); a
+        # compiled step keeps the kernels it was traced with.
+        self.narrow_linears = cpu_linears(model) if compile_config is None else []
         self.cache: SharedCache | None = None
 
     def compiled(self, module):
@@ -247,15 +251,16 @@ class Verifier:
         extra = {"logits_to_keep": logits_to_keep} if self._supports_logits_to_keep else {}
         if compiled:  # the last step's outputs are consumed: CUDA graphs may overwrite them
             torch.compiler.cudagraph_mark_step_begin()
-        out = call(
-            input_ids=input_ids,
-            attention_mask=mask,
-            position_ids=position_ids,
-            cache=self.cache,
-            use_cache=True,
-            output_hidden_states=bool(self.hidden_layers),
-            **extra,
-        )
+        with narrow_linears(self.narrow_linears):
+            out = call(
+                input_ids=input_ids,
+                attention_mask=mask,
+                position_ids=position_ids,
+                cache=self.cache,
+                use_cache=True,
+                output_hidden_states=bool(self.hidden_layers),
+                **extra,
+            )
         hidden = None
         if self.hidden_layers:  # gathered where the logits are: the last layer's device under device_map="auto"
             hidden = torch.cat([out.hidden_states[i].to(out.logits.device) for i in self.hidden_layers], dim=-1)
