@@ -2,10 +2,11 @@
 
 A verify feeds 2-8 tokens; `generate` feeds one. For a float32 `nn.Linear` on a CPU, PyTorch computes
 x @ W.T (x: [rows, in]) through MKL, which for 2-8 rows takes about twice as long as for one: on the 2-core
-machine this project is measured on, SmolLM2-135M's forward costs 67 ms for 1 token, 125 ms for 2 and 143 ms
-for 4. The same product computed as (W @ x.T).T streams the weights once, as the one-row kernel does: 58-69 ms
-for 2 tokens, 71 ms for 4 (`python -m schedulers.cost_model` prints the curve). Speculation lives on that
-difference, so `narrow_linears` routes the verifier's few-row products through it while a verify runs.
+machine this project is measured on, SmolLM2-135M's forward costs 69 ms for 1 token, 120 ms for 2 and 116 ms
+for 4. The same product computed as (W @ x.T).T streams the weights once, as the one-row kernel does: 58 ms
+for 2 tokens, 63 ms for 4, 85 ms for 8 (`python -m experiments.verify_costs` prints both curves). Speculation
+lives on that difference, so `narrow_linears` routes the verifier's few-row products through it while a
+verify runs.
 """
 
 from __future__ import annotations
