@@ -4,6 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install -q -e ".[experiments]"  # matplotlib, for the plots
+mkdir -p runs/verify-costs && python -m experiments.verify_costs | tee runs/verify-costs/table.txt
 python -m experiments.calibration --dataset dev --num-prompts 8 --max-new-tokens 256 --out runs/calibration
 # The default drafter and its lookup without the model, every fixed k against the cost-aware scheduler.
 python -m experiments.acceptance --datasets mt-bench,humaneval --drafters match-store,default --schedulers fixed,cost-aware \
@@ -15,8 +16,9 @@ python -m experiments.acceptance --datasets mt-bench,humaneval --drafters defaul
 python -m experiments.acceptance --datasets mt-bench,humaneval --drafters lookup,ar,default --schedulers fixed --block-sizes 16 \
     --num-prompts 6 --max-new-tokens 256 --out runs/same-k
 for set in mt-bench humaneval; do  # sampling at T = 0.7 under one seed per prompt: both acceptance rules
-    mkdir -p runs/bench-sampling-$set && python -m experiments.bench --dataset $set --num-prompts 4 --max-new-tokens 256 \
-        --repeats 1 --temperature 0.7 --top-p 0.9 --methods plain,hybrid-default,hybrid-default+rejection,hybrid-match-store \
+    mkdir -p runs/bench-sampling-$set && python -m experiments.bench --dataset $set --num-prompts 8 --max-new-tokens 256 \
+        --repeats 1 --temperature 0.7 --top-p 0.9 \
+        --methods plain,hybrid-default,hybrid-default-tree,hybrid-default+rejection,hybrid-match-store \
         --out runs/bench-sampling-$set | tee runs/bench-sampling-$set/table.txt
 done
 for set in humaneval mt-bench; do  # with repeats, interleaved
@@ -29,17 +31,20 @@ for set in humaneval mt-bench; do  # the static-shape path: eager and compiled, 
         --repeats 2 --methods plain,hybrid-default,hybrid-default+static,plain+compiled,hybrid-default+compiled \
         --out runs/bench-static-$set | tee runs/bench-static-$set/table.txt
 done
-# Token trees: the default with chains and with trees, by node budget, on our dev prompts.
-mkdir -p runs/bench-tree-dev && python -m experiments.bench --dataset dev --num-prompts 8 --max-new-tokens 256 --repeats 1 \
-    --methods plain,hybrid-default,hybrid-default-tree,hybrid-default-tree@fixed-16,hybrid-match-store \
-    --out runs/bench-tree-dev | tee runs/bench-tree-dev/table.txt
+# Token trees: the default with chains, with trees, and without its model, greedy, on each set.
+for set in dev mt-bench humaneval; do
+    mkdir -p runs/bench-trees-$set && python -m experiments.bench --dataset $set --num-prompts 8 --max-new-tokens 256 \
+        --repeats 1 --methods plain,hybrid-default,hybrid-default-tree,hybrid-match-store \
+        --out runs/bench-trees-$set | tee runs/bench-trees-$set/table.txt
+done
 python -m experiments.acceptance --datasets dev --drafters block-tree,default-tree --schedulers cost-aware \
     --block-sizes 8,16,32,64 --num-prompts 4 --max-new-tokens 128 --out runs/tree-budget
 python -m experiments.serving --concurrency 1,2,4 --requests 4 --max-tokens 256 --out runs/serving
 mkdir -p runs/batching-v9 && python -m experiments.batching --dataset mt-bench --num-prompts 8 --batch-sizes 1,2,4,8 \
     --max-new-tokens 64 --out runs/batching-v9 | tee runs/batching-v9/batching.txt
 for run in calibration default-v8 schedulers-v4 same-k bench-sampling-mt-bench bench-sampling-humaneval bench-default-humaneval bench-default-mt-bench \
-    bench-static-humaneval bench-static-mt-bench bench-tree-dev tree-budget serving batching-v9; do
+    bench-static-humaneval bench-static-mt-bench bench-trees-dev bench-trees-mt-bench bench-trees-humaneval \
+    tree-budget verify-costs serving batching-v9; do
     mkdir -p "docs/results/$run"
     cp runs/$run/*.png runs/$run/*.md runs/$run/*.csv runs/$run/*.json runs/$run/*.txt "docs/results/$run/" 2>/dev/null || true
 done
