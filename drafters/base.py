@@ -13,7 +13,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-from transformers import LogitsProcessorList
+from transformers import (
+    LogitsProcessorList,
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from verifiers.logits import process_logits
 
@@ -109,6 +115,10 @@ class Draft:
         return self
 
 
+# Warpers that rescale or cut the tail of a distribution but never reorder the tokens they keep.
+_ORDER_KEEPING = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
+
+
 @dataclass
 class DraftContext:
     """What a drafter may read while proposing. Built by the engine once per `generate` call.
@@ -168,6 +178,13 @@ class DraftContext:
     @property
     def static(self) -> bool:
         return self.verifier is not None and self.verifier.static
+
+    @property
+    def reorders(self) -> bool:
+        """Whether the processors may change how tokens rank by their raw logits (a greedy guess taken from the raw
+        logits would then differ from the processed one). Sampling's temperature, top-k, top-p and min-p keep the
+        order, so under them a drafter's best guesses are its raw top tokens, with no per-position processing."""
+        return any(not isinstance(p, _ORDER_KEEPING) for p in self.processors)
 
     def compiled(self, module):
         return module if self.verifier is None else self.verifier.compiled(module)

@@ -424,7 +424,7 @@ class BlockDiffusionDrafter(Drafter):
             return self._tree(ctx, logits, block, known, given_confidence, max_tokens)
         k = min(max_tokens, self.block_size - 1)
         if (
-            not ctx.do_sample and not ctx.processors
+            not ctx.do_sample and not ctx.reorders
         ):  # outside the draft vocabulary the logits are -inf: top-1 over it is the whole answer
             probs_v = torch.softmax(logits[:k], dim=-1)
             conf_v, best = probs_v.max(dim=-1)

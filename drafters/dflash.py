@@ -473,7 +473,7 @@ class DFlashDrafter(Drafter):
         m = len(given)
         if self.max_nodes is not None and not ctx.do_sample:  # a tree below the given chain
             return tree_below(ctx, given, logits[m : self.block_size - 1], max_tokens, self.branching)
-        if not ctx.do_sample and not ctx.processors:  # q = softmax(logits) needs no prefix: one argmax for all
+        if not ctx.do_sample and not ctx.reorders:  # the raw top-1 is the processed one: one argmax for all
             confidence, best = torch.softmax(logits[m:k], dim=-1).max(dim=-1)
             device = ctx.input_ids.device
             tokens = torch.cat([given.tokens.to(device), best.to(device)])

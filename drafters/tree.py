@@ -94,7 +94,7 @@ def tree_below(
     budget -= len(chain)
     if budget <= 0 or logits.shape[0] == 0:
         return chain
-    if ctx.processors:
+    if ctx.reorders:
         full = logits
         if columns is not None:
             full = logits.new_full((logits.shape[0], vocab_size), -math.inf)

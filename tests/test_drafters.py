@@ -143,3 +143,26 @@ def test_the_default_drafter_proposes_the_recorded_drafts():
                 where = f"{name}, call {step}, row {row}"
                 assert got[:3] == exp[:3], where  # committed length, tokens asked, tokens drafted
                 assert max((abs(a - b) for a, b in zip(got[3], exp[3], strict=True)), default=0) <= 1, where
+
+
+def test_sampling_warpers_keep_the_order_other_processors_may_not():
+    """A drafter may take its greedy guesses from raw logits exactly when no processor can reorder tokens."""
+    from transformers import (
+        LogitsProcessorList,
+        RepetitionPenaltyLogitsProcessor,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    from drafters import DraftContext
+
+    def ctx(*processors):
+        return DraftContext(torch.tensor([[1, 2]]), False, LogitsProcessorList(processors), None, None)
+
+    warpers = (TemperatureLogitsWarper(0.7), TopKLogitsWarper(5), TopPLogitsWarper(0.9))
+    assert not ctx().reorders and not ctx(*warpers).reorders
+    assert ctx(*warpers, RepetitionPenaltyLogitsProcessor(1.3)).reorders
+    logits = torch.randn(50)
+    processed = LogitsProcessorList(warpers)(torch.tensor([[1, 2]]), logits[None])[0]
+    assert int(processed.argmax()) == int(logits.argmax())
