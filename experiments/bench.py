@@ -21,7 +21,8 @@ after `+`: `+static` (`cache_implementation="static"`, run eagerly) or `+compile
 
 Every (repeat, prompt, method) measurement is appended to OUT/bench.jsonl as it finishes; rerunning the
 same command resumes, skipping what is there. A method's tokens/s in one repeat is its tokens over its
-seconds summed over the prompts; the table shows the median over repeats and the spread (min-max).
+seconds summed over the prompts; the table shows the median over repeats and the spread (min-max), and for a
+hybrid method the share of its seconds its drafter took.
 Sharded runs (as in experiments.acceptance) split the prompts across processes and gather on the main
 one; each process times its own prompts, so tokens/s is comparable only between runs with the same
 number of processes on the same machine.
@@ -46,6 +47,7 @@ from experiments.datasets import load_prompts
 from experiments.methods import METHODS, check_fits_model, make_drafter, method_drafter
 from experiments.models import MODEL_HELP, load_model
 from experiments.runs import append_record, resume_sharded
+from hybrid.stats import GenerationStats
 from schedulers import FixedScheduler
 from schedulers.registry import NAMES_HELP, check_scheduler_name, make_scheduler
 from verifiers.prompts import encode_prompt
@@ -86,8 +88,9 @@ def sampling_settings(temperature: float | None, top_p: float | None) -> dict:
 
 def run_method(
     method: str, model, input_ids, reference, max_new_tokens: int, sampling: dict | None = None, seed: int = 0
-) -> tuple[torch.Tensor, float, float | None]:
-    """(output, seconds, tau or None) for one method on one prompt; sampled runs start from `torch.manual_seed(seed)`."""
+) -> tuple[torch.Tensor, float, GenerationStats | None]:
+    """(output, seconds, hybrid's stats or None) for one method on one prompt; sampled runs start from
+    `torch.manual_seed(seed)`."""
     sampling = sampling or {"do_sample": False}
     settings = {"max_new_tokens": max_new_tokens, "attention_mask": torch.ones_like(input_ids)} | sampling
     name = method
@@ -98,9 +101,9 @@ def run_method(
     torch.manual_seed(seed)
     start = time.perf_counter()
     if method == "plain":
-        out, tau = model.generate(input_ids, **settings), None
+        out, stats = model.generate(input_ids, **settings), None
     elif method == "hf-lookup":
-        out, tau = model.generate(input_ids, prompt_lookup_num_tokens=10, **settings), None
+        out, stats = model.generate(input_ids, prompt_lookup_num_tokens=10, **settings), None
     else:
         scheduler = FixedScheduler(16) if method == "oracle" and scheduler_name is None else None
         if scheduler_name is not None:
@@ -108,8 +111,7 @@ def run_method(
         out, stats = hybrid.generate(
             model, input_ids, drafter=drafter, scheduler=scheduler, return_stats=True, **settings
         )
-        tau = stats.tau
-    return out, time.perf_counter() - start, tau
+    return out, time.perf_counter() - start, stats
 
 
 def prompt_sha(text: str) -> str:
@@ -187,13 +189,15 @@ def _measure(args, model, tokenizer, pending, path: Path, show_progress: bool) -
             _, seconds, _ = run_method(method, model, input_ids, references[i], args.max_new_tokens, sampling, i)
             WARM_UP[method] = WARM_UP.get(method, 0.0) + seconds
             warmed.add((i, method))
-        out, seconds, tau = run_method(method, model, input_ids, references[i], args.max_new_tokens, sampling, i)
+        out, seconds, stats = run_method(method, model, input_ids, references[i], args.max_new_tokens, sampling, i)
+        tau = None if stats is None else stats.tau
         record = dict(
             identity(args, text, r, method),
             prompt_index=i,
             new_tokens=out.shape[1] - input_ids.shape[1],
             seconds=seconds,
             tau=tau,
+            draft_seconds=None if stats is None else stats.draft_time,
             identical=bool(torch.equal(out, references[i])),
         )
         append_record(path, record)
@@ -206,8 +210,10 @@ def _measure(args, model, tokenizer, pending, path: Path, show_progress: bool) -
 
 
 def summarize(args, records: list[dict]) -> dict[str, dict]:
-    """Per method: median tokens/s over repeats (with min and max), mean tau, speed-up, fraction of the oracle."""
+    """Per method: median tokens/s over repeats (with min and max), mean tau, speed-up, fraction of the oracle, and
+    the share of its time spent drafting."""
     per_repeat: dict[str, dict[int, list[float]]] = {m: {} for m in args.methods}
+    drafting: dict[str, list[float]] = {m: [0.0, 0.0] for m in args.methods}  # drafting seconds, all seconds
     taus: dict[str, dict[str, float]] = {m: {} for m in args.methods}
     identical = {m: True for m in args.methods}
     for rec in records:
@@ -217,6 +223,9 @@ def summarize(args, records: list[dict]) -> dict[str, dict]:
         if rec["tau"] is not None:
             taus[rec["method"]][rec["prompt_sha"]] = rec["tau"]  # one seed per prompt: the same in every repeat
         identical[rec["method"]] &= rec["identical"]
+        if rec.get("draft_seconds") is not None:
+            drafting[rec["method"]][0] += rec["draft_seconds"]
+            drafting[rec["method"]][1] += rec["seconds"]
     tps = {m: [t / s for t, s in per_repeat[m].values()] for m in args.methods}
     base = statistics.median(tps["plain"]) if "plain" in tps else None
     ceiling = statistics.median(tps["oracle"]) if "oracle" in tps else None
@@ -231,6 +240,7 @@ def summarize(args, records: list[dict]) -> dict[str, dict]:
             "speedup": med / base if base else None,
             "fraction_of_oracle": med / ceiling if ceiling else None,
             "identical_to_plain": identical[m],
+            "drafting_share": drafting[m][0] / drafting[m][1] if drafting[m][1] else None,
             "warm_up_s": WARM_UP.get(m),
         }
     return rows
@@ -244,12 +254,16 @@ def print_table(args, rows: dict[str, dict], num_prompts: int, processes: int) -
         f"\n{args.dataset}: {num_prompts} prompts, {args.max_new_tokens} new tokens, {args.repeats} repeats, {sampling_label(args)}, "
         f"{processes} process(es) x {torch.get_num_threads()} threads"
     )
-    print(f"{'method':<28}{'tok/s':>8}{'spread':>14}{'tau':>7}{'speed-up':>10}{'of oracle':>11}  identical")
+    print(
+        f"{'method':<28}{'tok/s':>8}{'spread':>14}{'tau':>7}{'speed-up':>10}{'of oracle':>11}{'drafting':>10}  identical"
+    )
     for m, row in rows.items():
         spread = f"{row['min']:.1f}-{row['max']:.1f}"
+        share = row.get("drafting_share")
         print(
             f"{m:<28}{row['tokens_per_s']:>8.1f}{spread:>14}{fmt(row['tau'], '.2f'):>7}{fmt(row['speedup'], '.2f'):>9}x"
-            f"{fmt(row['fraction_of_oracle'], '.2f'):>11}  {'yes' if row['identical_to_plain'] else 'NO'}"
+            f"{fmt(row['fraction_of_oracle'], '.2f'):>11}{'-' if share is None else f'{share:.1%}':>10}  "
+            f"{'yes' if row['identical_to_plain'] else 'NO'}"
         )
     for m, row in rows.items():
         if row["warm_up_s"] is not None:

@@ -2,12 +2,15 @@
 # The GPU recipe of the shipped drafter: data, features, the block-diffusion drafter and its AR baseline.
 #
 #   bash experiments/gpu_train.sh OUT_DIR     # OUT_DIR/block, OUT_DIR/ar, OUT_DIR/{block,ar}.log
+#   DFLASH=1 bash experiments/gpu_train.sh OUT_DIR   # also OUT_DIR/dflash: z-lab's DFlash architecture, same data
 #
 # The same pipeline as the CPU recipe (python -m drafters.training.train), scaled up for one CUDA GPU:
 #   - prompts: the templated ones plus 8,000 user turns sampled from the verifier itself, interleaved;
 #   - data: 13 batches of 512 of them answered greedily (~1.4 M answer tokens) + 100 k tokens of documents;
 #   - drafter: 2 layers, block 8, 32 answers x 128 anchors per step, 552 steps;
-#   - baseline: the 1-layer AR drafter with the same trainable budget, on the same data (AR_STEPS steps).
+#   - baseline: the 1-layer AR drafter with the same trainable budget, on the same data (AR_STEPS steps);
+#   - with DFLASH=1, a drafter in DFlash's architecture, same layers, data and steps, scored against the block
+#     drafter by experiments.heldout --block OUT_DIR/block --dflash OUT_DIR/dflash.
 # On an H200 the block run takes ~6 min end to end (generation ~2 min, features ~1 min, training 1.3 min),
 # the baseline ~1 min. Knobs can be overridden from the environment (DEVICE=cpu SYNTHETIC=16 ... for a
 # smoke run; BASELINE=0 skips the baseline).
@@ -27,11 +30,16 @@ BLOCK=${BLOCK:-8}
 GAMMA=${GAMMA:-2}
 EVAL_EVERY=${EVAL_EVERY:-200}
 BASELINE=${BASELINE:-1}
+DFLASH=${DFLASH:-0}
 mkdir -p "$OUT"
 common=(--device "$DEVICE" --work-dir "$WORK" --gen-shards "$GEN_SHARDS" --gen-batch "$GEN_BATCH"
         --synthetic-prompts "$SYNTHETIC" --doc-tokens "$DOC_TOKENS" --feature-batch-tokens 32768
         --seqs-per-step "$SEQS" --anchors-per-seq "$ANCHORS" --block-size "$BLOCK" --layers 2 --gamma "$GAMMA"
         --lr 2e-3 --eval-every "$EVAL_EVERY" --save-every "$EVAL_EVERY")
 python -m drafters.training.train --arch block "${common[@]}" --steps "$STEPS" --out "$OUT/block" 2>&1 | tee "$OUT/block.log"
+if [ "$DFLASH" != 0 ]; then
+    python -m drafters.training.train --arch dflash "${common[@]}" --steps "$STEPS" --out "$OUT/dflash" 2>&1 \
+        | tee "$OUT/dflash.log"
+fi
 [ "$BASELINE" = 0 ] && exit 0
 python -m drafters.training.train --arch ar "${common[@]}" --steps "$AR_STEPS" --out "$OUT/ar" 2>&1 | tee "$OUT/ar.log"

@@ -7,9 +7,10 @@
 held-out answers are the ones training holds out of that folder (every 20th generated answer,
 `drafters.training.distill.split`); `--exclude-prompts-of` drops those whose prompt also appears in another
 answers folder (say, the data a fine-tune saw). Their verifier features are computed once and cached
-under `--work-dir`. For 8 anchors per answer it prints the estimate training logs (`drafters.training.estimate`):
-tau of one greedy block per anchor and the share of anchors whose first i drafts are all accepted, for
-prompt lookup, every `--block` checkpoint (with 1, 2, ... denoising passes) and every `--ar` baseline;
+under `--work-dir`. For `--anchors-per-answer` anchors per answer (8 by default) it prints the estimate training
+logs (`drafters.training.estimate`): tau of one greedy block per anchor and the share of anchors whose first i drafts are all accepted, for
+prompt lookup, every `--block` checkpoint (with 1, 2, ... denoising passes), every `--dflash` folder (z-lab's
+format, e.g. one `--arch dflash` trained) and every `--ar` baseline;
 with `--ngram-store`, that store alone and continuing prompt lookup (`drafters.training.ngram_build`; it must be built
 from the same folder, so that its held-out answers are these).
 `--reveal` also prints each block checkpoint's teacher-forced accuracy by position with and without the
@@ -26,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from drafters import dflash
 from drafters.ar_baseline import load_ar_model
 from drafters.block_diffusion import frozen_verifier_parts, load_model
 from drafters.ngram_store import NgramStore
@@ -107,6 +109,7 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--block", type=Path, action="append", default=[], help="a block drafter checkpoint (repeatable)"
     )
+    parser.add_argument("--dflash", type=Path, action="append", default=[], help="a DFlash drafter folder (repeatable)")
     parser.add_argument("--ar", type=Path, action="append", default=[], help="an AR baseline checkpoint (repeatable)")
     parser.add_argument("--passes", default="1", help="denoising passes to score the block drafters with, e.g. 1,2,3")
     parser.add_argument("--lookup", default="7,15", help="prompt lookup's draft lengths")
@@ -125,8 +128,13 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--reveal", action="store_true", help="also the teacher-forced accuracy with the first token given"
     )
+    parser.add_argument(
+        "--anchors-per-answer", type=int, default=ANCHORS_PER_ANSWER, help="anchors drawn in each held-out answer"
+    )
     parser.add_argument("--work-dir", type=Path, default=DEFAULT_WORK_DIR)
     args = parser.parse_args(argv)
+    if args.anchors_per_answer < 1:
+        parser.error(f"--anchors-per-answer {args.anchors_per_answer}: give at least 1")
     for folder in [args.answers] + ([args.exclude_prompts_of] if args.exclude_prompts_of else []):
         if not any(folder.glob("gen-*.json")):
             parser.error(
@@ -146,9 +154,17 @@ def main(argv=None) -> None:
     verifier, tokenizer = load_verifier("cpu")
     ngrams = args.ngram_store and NgramStore.from_pretrained(args.ngram_store)
     blocks = [(path, load_model(path).float()) for path in args.block]
-    layers = blocks[0][1].config.target_layers if blocks else (2, 9, 16, 23, 30)
+    dflashes = [(path, dflash.load_model(path, torch.float32)) for path in args.dflash]
+    # Every drafter reads the same verifier states: a block model's target layers are hidden_states indices, a
+    # DFlash folder's target_layer_ids decoder layers (hidden_states index + 1).
+    read = {tuple(m.config.target_layers) for _, m in blocks} | {
+        tuple(i + 1 for i in m.target_layer_ids) for _, m in dflashes
+    }
+    if len(read) > 1:
+        parser.error(f"the drafters read different verifier layers ({sorted(read)}): score them in separate runs")
+    layers = next(iter(read), (2, 9, 16, 23, 30))
     store = held_out_store(verifier, tokenizer, args.answers, args.exclude_prompts_of, args.work_dir, layers)
-    anchors = held_out_anchors(store, list(range(len(store))), per_seq=ANCHORS_PER_ANSWER, seed=0)
+    anchors = held_out_anchors(store, list(range(len(store))), per_seq=args.anchors_per_answer, seed=0)
     print(
         f"{sum(len(a) for _, a in anchors)} anchors\n\n| drafter | held-out tau | accepted at positions 1 / 2 / ... |\n|---|---:|---|"
     )
@@ -186,6 +202,13 @@ def main(argv=None) -> None:
                     + " / ".join(f"{x:.3f}" for x in accuracy[revealed:])
                     + f" (positions {revealed + 1}..)"
                 )
+    for path, model in dflashes:  # the whole vocabulary: the verifier's own embedding and head
+        vocab = torch.arange(vocab_size)
+        embed, head = frozen_verifier_parts(verifier, vocab)
+        tau, by_position = estimate_tau(
+            "block", model, embed, head, store, anchors, VocabMap(vocab, vocab_size), vocab, model.block_size
+        )
+        print(row(f"{path} (DFlash)", tau, by_position), flush=True)
     vocab = blocks[0][1].draft_vocab if blocks else None
     for path in args.ar:
         model = load_ar_model(path, verifier).float()

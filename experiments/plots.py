@@ -24,7 +24,7 @@ def label(row: dict, fields: tuple[str, ...]) -> str:
 
 
 def write_plots(records: list[dict], rows: list[dict], out: Path) -> list[str]:
-    """Write the four plots into `out`; returns their file names. `rows`: metrics.summarize per configuration."""
+    """Write the plots into `out`; returns their file names. `rows`: metrics.summarize per configuration."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display needed
@@ -80,20 +80,28 @@ def write_plots(records: list[dict], rows: list[dict], out: Path) -> list[str]:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         save(fig, ax, "accepted_lengths.png")
 
-    # 4. speed-up vs block size, one line per (drafter, scheduler, temperature), datasets pooled.
+    # 4. tau and tokens/s vs block size (a tree drafter's node budget), one line per (drafter, scheduler,
+    # temperature), datasets pooled; plain model.generate's tokens/s dashed.
     line_fields = ("drafter", "scheduler", "temperature")
     by_block = [r for r in metrics.summarize(records, (*line_fields, "block_size")) if r["block_size"] is not None]
     if by_block:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        lines: dict[str, list[tuple[int, float]]] = {}
+        fig, (tau_ax, speed_ax) = plt.subplots(1, 2, figsize=(10, 4))
+        lines: dict[str, list[dict]] = {}
         for r in by_block:
-            lines.setdefault(label(r, line_fields), []).append((r["block_size"], r["speedup"]))
+            lines.setdefault(label(r, line_fields), []).append(r)
         for name, points in lines.items():
-            points.sort()
-            ax.plot([b for b, _ in points], [s for _, s in points], marker="o", label=name)
-        ax.axhline(1.0, color="gray", lw=0.8, ls="--")  # plain model.generate
-        ax.set_xlabel("block size (drafter max_draft_len)")
-        ax.set_ylabel("speed-up vs plain model.generate")
-        ax.set_xticks(sorted({r["block_size"] for r in by_block}))
-        save(fig, ax, "speedup_vs_block_size.png")
+            points.sort(key=lambda r: r["block_size"])
+            sizes = [r["block_size"] for r in points]
+            tau_ax.plot(sizes, [r["mean_tau"] for r in points], marker="o")
+            speed_ax.plot(sizes, [r["tokens_per_s"] for r in points], marker="o", label=name)
+        plain = [r["baseline_tokens_per_s"] for r in by_block if r["baseline_tokens_per_s"]]
+        if plain:
+            speed_ax.axhline(sum(plain) / len(plain), color="gray", lw=0.8, ls="--", label="plain model.generate")
+        tau_ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+        tau_ax.set_ylabel("tau (tokens per verifier forward)")
+        speed_ax.set_ylabel("tokens/s")
+        for ax in (tau_ax, speed_ax):
+            ax.set_xlabel("block size (max_draft_len) or node budget (trees)")
+            ax.set_xticks(sorted({r["block_size"] for r in by_block}))
+        save(fig, speed_ax, "tau_and_speed_vs_block_size.png")
     return written

@@ -26,8 +26,22 @@ python -m experiments.acceptance --datasets dev --drafters block-tree,default-tr
 python -m experiments.serving --concurrency 1,2,4 --requests 8 --max-tokens 256 --out runs/serving
 mkdir -p runs/batching && python -m experiments.batching --dataset mt-bench --num-prompts 8 --batch-sizes 1,2,4,8 \
     --max-new-tokens 64 --out runs/batching | tee runs/batching/batching.txt
+# DFlash's architecture against the block drafter's on one small data set (2 shards of answers + 30 k document
+# tokens): the same steps (300 each), and the block drafter at DFlash's compute (1800 steps); held-out tau of each.
+W=~/.cache/hybrid/drafter-extras
+TRAIN="python -m drafters.training.train --work-dir $W --gen-shards 2 --gen-batch 64 --doc-tokens 30000 \
+    --anchors-per-seq 32 --layers 1 --threads 2 --eval-seqs 64 --save-every 50"
+$TRAIN --arch dflash --steps 300 --eval-every 100 --out $W/dflash-drafter-a32
+$TRAIN --arch block --steps 300 --eval-every 100 --out $W/block-drafter-a32
+$TRAIN --arch block --steps 1800 --eval-every 600 --out $W/block-drafter-a32-1800
+mkdir -p runs/extras && python -m experiments.heldout --answers $W/generated --block $W/block-drafter-a32 \
+    --block $W/block-drafter-a32-1800 --dflash $W/dflash-drafter-a32 --anchors-per-answer 200 --lookup 7 \
+    --work-dir $W | tee runs/extras/heldout.txt
+for run in dflash-drafter-a32 block-drafter-a32 block-drafter-a32-1800; do
+    cp $W/$run/training.json runs/extras/$run-training.json
+done
 for run in calibration same-k bench-sampling-mt-bench bench-sampling-humaneval bench-trees-dev bench-trees-mt-bench bench-trees-humaneval \
-    tree-budget verify-costs serving batching; do
+    tree-budget verify-costs serving batching extras; do
     mkdir -p "docs/results/$run"
     cp runs/$run/*.png runs/$run/*.md runs/$run/*.csv runs/$run/*.json runs/$run/*.txt "docs/results/$run/" 2>/dev/null || true
 done

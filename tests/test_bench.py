@@ -82,6 +82,9 @@ def test_resume_skips_finished_measurements(prompts_file, tmp_path):
     assert len(first) == 2 * 3 * 4  # repeats x prompts x methods
     assert all(row["identical_to_plain"] for row in rows.values())
     assert rows["oracle"]["tau"] > 1 and rows["hybrid-none"]["tau"] == 1  # the oracle's drafts are accepted
+    # Drafting's share of the time: none for plain generate, a fraction of every hybrid call's.
+    assert rows["plain"]["drafting_share"] is None
+    assert all(0 <= rows[m]["drafting_share"] < 1 for m in ("hybrid-none", "oracle"))
     assert json.loads((out / "summary.json").read_text())["methods"].keys() == rows.keys()
 
     # Interrupted: 5 measurements finished, the 6th cut off mid-write; the rerun redoes only the rest.

@@ -20,7 +20,7 @@ from drafters.training.distill import build_features
 from drafters.training.estimate import accepted_lengths, greedy_block_drafts
 from drafters.training.models import block_forward
 from drafters.training.train import main as train_main
-from drafters.training.train import parser, train
+from drafters.training.train import parser, recipe_tag, train
 from hybrid.testing import check_greedy_lossless
 from schedulers import FixedScheduler
 from verifiers.verifier import Verifier
@@ -296,6 +296,13 @@ def test_the_scheduler_chooses_the_denoising_passes(chosen):
     )
     drafting_steps = sum(1 for k in stats.drafted[1:] if k)
     assert drafting_steps and len(passes) == chosen * drafting_steps
+
+
+def test_a_run_with_another_step_plan_is_another_run():
+    """The step plan sets the learning-rate schedule: a rerun resumes its own run, never one of another length."""
+    tag = lambda *argv: recipe_tag(parser().parse_args(list(argv)))  # noqa: E731
+    assert tag("--steps", "300") == tag("--steps", "300")
+    assert len({tag("--steps", "300"), tag("--steps", "1800"), tag("--minutes", "10"), tag("--minutes", "20")}) == 4
 
 
 @pytest.mark.parametrize("arch", ["block", "ar"])

@@ -229,6 +229,7 @@ def test_resume_skips_finished_runs(prompts_file, tmp_path):
     assert (out / "summary.csv").exists() and (out / "report.md").exists()
     if plots.available():
         assert (out / "acceptance_by_position.png").exists()
+        assert (out / "tau_and_speed_vs_block_size.png").exists()
 
     # Interrupted: 7 runs finished, the 8th cut off mid-write.
     (out / "runs.jsonl").write_text("\n".join(first[:7]) + "\n" + first[7][:40])
@@ -322,6 +323,7 @@ def test_warns_when_accelerate_cpu_launch_started_one_process(monkeypatch):
         (["--lookup", "7,x"], "--lookup '7,x': give comma-separated integers"),
         (["--max-ngrams", "0"], "--max-ngrams '0': every value must be >= 1"),
         (["--prefer-store", "0.5"], "--prefer-store needs --ngram-store"),
+        (["--anchors-per-answer", "0"], "--anchors-per-answer 0: give at least 1"),
     ],
 )
 def test_heldout_bad_input_fails_before_any_model_loads(args, message, capsys, tmp_path):

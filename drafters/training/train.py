@@ -186,11 +186,14 @@ def main(argv=None) -> None:
 
 
 def recipe_tag(args) -> str:
-    """A short hash of what shapes the training run, so a resume never continues a different recipe."""
+    """A short hash of what shapes the training run, so a resume never continues a different recipe (the step plan
+    included: it sets the learning-rate schedule, so a longer run is another run, not a continued one)."""
     import hashlib
 
     keys = (
         "arch",
+        "steps",
+        "minutes",
         "seqs_per_step",
         "anchors_per_seq",
         "block_size",
