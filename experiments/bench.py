@@ -260,8 +260,9 @@ def print_table(args, rows: dict[str, dict], num_prompts: int, processes: int) -
     for m, row in rows.items():
         spread = f"{row['min']:.1f}-{row['max']:.1f}"
         share = row.get("drafting_share")
+        speedup = "-" if row["speedup"] is None else f"{row['speedup']:.2f}x"
         print(
-            f"{m:<28}{row['tokens_per_s']:>8.1f}{spread:>14}{fmt(row['tau'], '.2f'):>7}{fmt(row['speedup'], '.2f'):>9}x"
+            f"{m:<28}{row['tokens_per_s']:>8.1f}{spread:>14}{fmt(row['tau'], '.2f'):>7}{speedup:>10}"
             f"{fmt(row['fraction_of_oracle'], '.2f'):>11}{'-' if share is None else f'{share:.1%}':>10}  "
             f"{'yes' if row['identical_to_plain'] else 'NO'}"
         )

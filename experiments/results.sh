@@ -21,6 +21,12 @@ for set in dev mt-bench humaneval; do
         --repeats 1 --methods plain,hybrid-default,hybrid-default-tree,hybrid-match-store \
         --out runs/bench-trees-$set | tee runs/bench-trees-$set/table.txt
 done
+# The block model's share: the default against its lookup and store alone, two repeats.
+for set in dev mt-bench humaneval; do
+    mkdir -p runs/bench-block-share-$set && python -m experiments.bench --dataset $set --num-prompts 8 \
+        --max-new-tokens 256 --repeats 2 --methods hybrid-default,hybrid-match-store \
+        --out runs/bench-block-share-$set | tee runs/bench-block-share-$set/table.txt
+done
 python -m experiments.acceptance --datasets dev --drafters block-tree,default-tree --schedulers cost-aware \
     --block-sizes 8,16,32,64 --num-prompts 4 --max-new-tokens 128 --out runs/tree-budget
 python -m experiments.serving --concurrency 1,2,4 --requests 8 --max-tokens 256 --out runs/serving
@@ -41,7 +47,7 @@ for run in dflash-drafter-a32 block-drafter-a32 block-drafter-a32-1800; do
     cp $W/$run/training.json runs/extras/$run-training.json
 done
 for run in calibration same-k bench-sampling-mt-bench bench-sampling-humaneval bench-trees-dev bench-trees-mt-bench bench-trees-humaneval \
-    tree-budget verify-costs serving batching extras; do
+    bench-block-share-dev bench-block-share-mt-bench bench-block-share-humaneval tree-budget verify-costs serving batching extras; do
     mkdir -p "docs/results/$run"
     cp runs/$run/*.png runs/$run/*.md runs/$run/*.csv runs/$run/*.json runs/$run/*.txt "docs/results/$run/" 2>/dev/null || true
 done
