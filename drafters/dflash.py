@@ -179,6 +179,12 @@ class DFlashModel(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.fc.weight.dtype
 
+    @property
+    def hidden_layers(self) -> tuple[int, ...]:
+        """The verifier's hidden_states indices the context reads: target_layer_ids index decoder layers, and
+        hidden_states[0] is the embedding output."""
+        return tuple(i + 1 for i in self.target_layer_ids)
+
     def _apply(self, fn, recurse=True):
         """`.to(dtype)` casts the weights, never the RoPE frequencies: a bfloat16 frequency times a position of
         thousands is off by radians (transformers' checkpoints load them float32 too)."""
@@ -395,7 +401,7 @@ class DFlashDrafter(Drafter):
         self.embedding = verifier.get_input_embeddings().weight
         self.vocab_size = self.embedding.shape[0]
         self.tokenizer = tokenizer
-        self.hidden_layers = tuple(i + 1 for i in model.target_layer_ids)  # hidden_states[0] is the embedding output
+        self.hidden_layers = model.hidden_layers
         self.block_size, self.max_draft_len = block_size, block_size - 1
         weights = hashlib.sha256()
         for t in model.state_dict().values():  # the raw bytes: no float copy of a gigabyte drafter

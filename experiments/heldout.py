@@ -8,8 +8,8 @@ held-out answers are the ones training holds out of that folder (every 20th gene
 `drafters.training.distill.split`); `--exclude-prompts-of` drops those whose prompt also appears in another
 answers folder (say, the data a fine-tune saw). Their verifier features are computed once and cached
 under `--work-dir`. For `--anchors-per-answer` anchors per answer (8 by default) it prints the estimate training
-logs (`drafters.training.estimate`): tau of one greedy block per anchor and the share of anchors whose first i drafts are all accepted, for
-prompt lookup, every `--block` checkpoint (with 1, 2, ... denoising passes), every `--dflash` folder (z-lab's
+logs (`drafters.training.estimate`): tau of one greedy block per anchor and the share of anchors whose first i
+drafts are all accepted, for prompt lookup, every `--block` checkpoint (with 1, 2, ... denoising passes), every `--dflash` folder (z-lab's
 format, e.g. one `--arch dflash` trained) and every `--ar` baseline;
 with `--ngram-store`, that store alone and continuing prompt lookup (`drafters.training.ngram_build`; it must be built
 from the same folder, so that its held-out answers are these).
@@ -155,11 +155,8 @@ def main(argv=None) -> None:
     ngrams = args.ngram_store and NgramStore.from_pretrained(args.ngram_store)
     blocks = [(path, load_model(path).float()) for path in args.block]
     dflashes = [(path, dflash.load_model(path, torch.float32)) for path in args.dflash]
-    # Every drafter reads the same verifier states: a block model's target layers are hidden_states indices, a
-    # DFlash folder's target_layer_ids decoder layers (hidden_states index + 1).
-    read = {tuple(m.config.target_layers) for _, m in blocks} | {
-        tuple(i + 1 for i in m.target_layer_ids) for _, m in dflashes
-    }
+    # Every drafter must read the same verifier states (hidden_states indices).
+    read = {tuple(m.config.target_layers) for _, m in blocks} | {m.hidden_layers for _, m in dflashes}
     if len(read) > 1:
         parser.error(f"the drafters read different verifier layers ({sorted(read)}): score them in separate runs")
     layers = next(iter(read), (2, 9, 16, 23, 30))
@@ -202,9 +199,10 @@ def main(argv=None) -> None:
                     + " / ".join(f"{x:.3f}" for x in accuracy[revealed:])
                     + f" (positions {revealed + 1}..)"
                 )
-    for path, model in dflashes:  # the whole vocabulary: the verifier's own embedding and head
+    if dflashes:  # the whole vocabulary: the verifier's own embedding and head, shared by every folder
         vocab = torch.arange(vocab_size)
         embed, head = frozen_verifier_parts(verifier, vocab)
+    for path, model in dflashes:
         tau, by_position = estimate_tau(
             "block", model, embed, head, store, anchors, VocabMap(vocab, vocab_size), vocab, model.block_size
         )
