@@ -8,12 +8,13 @@ tokens, lengths, logits processors, stopping criteria), so a call means exactly 
 from __future__ import annotations
 
 import math
+import numbers
 import warnings
 
 import torch
 from transformers import Cache, CompileConfig, GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 from transformers.generation import GenerateDecoderOnlyOutput
-from transformers.generation.configuration_utils import GenerationMode
+from transformers.generation.configuration_utils import BaseWatermarkingConfig, GenerationMode
 
 from drafters.base import Drafter
 from hybrid.acceptance import ACCEPTANCE_RULES
@@ -82,6 +83,71 @@ _UNSUPPORTED_ARGS = (
 _SWITCHES = ("synced_gpus", "trust_remote_code")
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _is_int_tensor(value) -> bool:
+    return isinstance(value, torch.Tensor) and not value.is_floating_point() and value.dtype != torch.bool
+
+
+def _is_token_id(value) -> bool:
+    return _is_int(value) or (_is_int_tensor(value) and value.numel() == 1)
+
+
+def _is_token_ids(value) -> bool:
+    return _is_int_tensor(value) or (isinstance(value, (list, tuple)) and all(_is_int(v) for v in value))
+
+
+def _is_strings(value) -> bool:
+    return isinstance(value, str) or (isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value))
+
+
+def _is_decay(value) -> bool:
+    return isinstance(value, (list, tuple)) and len(value) == 2 and _is_int(value[0]) and _is_number(value[1])
+
+
+# Generation settings by the kind of value they take (None always means "unset"): transformers compares or indexes
+# them deep inside `generate`, where a string or a float fails with a TypeError that names neither.
+_SETTING_KINDS = {
+    "a whole number (int)": (
+        _is_int,
+        ["max_new_tokens", "max_length", "min_new_tokens", "min_length", "top_k", "no_repeat_ngram_size"],
+    ),
+    "a number (float or int)": (
+        _is_number,
+        ["temperature", "top_p", "min_p", "top_h", "typical_p", "epsilon_cutoff", "eta_cutoff", "repetition_penalty"]
+        + ["max_time"],
+    ),
+    "True or False": (
+        lambda value: isinstance(value, bool),
+        ["do_sample", "use_cache", "output_scores", "output_logits", "return_dict_in_generate"]
+        + ["renormalize_logits", "remove_invalid_values", "disable_compile"],
+    ),
+    "a token id (int)": (_is_token_id, ["pad_token_id", "bos_token_id", "forced_bos_token_id"]),
+    "a token id or a list of token ids (ints)": (
+        lambda value: _is_token_id(value) or _is_token_ids(value),
+        ["eos_token_id", "forced_eos_token_id"],
+    ),
+    "a list of token ids (ints)": (_is_token_ids, ["suppress_tokens", "begin_suppress_tokens"]),
+    "a string or a list of strings": (_is_strings, ["stop_strings"]),
+    "a pair (start index: int, decay factor: float)": (_is_decay, ["exponential_decay_length_penalty"]),
+    "a WatermarkingConfig (or its dict)": (
+        lambda value: isinstance(value, (dict, BaseWatermarkingConfig)),
+        ["watermarking_config"],
+    ),
+}
+# `generate` arguments beyond GenerationConfig that are called: what each must be, and how it is called.
+_CALLABLES = {
+    "logits_processor": "a LogitsProcessor, called as (input_ids, scores) -> scores",
+    "stopping_criteria": "a StoppingCriteria, called as (input_ids, scores) -> a bool tensor [batch]",
+}
+
+
 def generate(
     model,
     input_ids: torch.LongTensor | None = None,
@@ -119,6 +185,14 @@ def generate(
             token really was drawn from the `Draft.probs` its drafter reports.
     """
     check_causal_lm(model)
+    if generation_config is not None and not isinstance(generation_config, GenerationConfig):
+        raise TypeError(
+            f"generation_config must be a transformers.GenerationConfig, got {type(generation_config).__name__}: "
+            "pass GenerationConfig(**settings), or the settings themselves as keyword arguments"
+        )
+    if not isinstance(return_stats, bool):
+        raise TypeError(f"return_stats={return_stats!r}: pass True (to also get a GenerationStats) or False")
+    _check_setting_types(kwargs, generation_config)
     if acceptance not in ACCEPTANCE_RULES:
         raise ValueError(f"acceptance={acceptance!r}: choose one of {ACCEPTANCE_RULES}")
     if model.training:
@@ -138,6 +212,7 @@ def generate(
             raise TypeError("pass the prompt once: either input_ids or inputs")
         input_ids = inputs
     call = {name: kwargs.pop(name, None) for name in _CALL_ARGS}
+    _check_call_args(call)
     _reject_unsupported_kwargs(model, kwargs)
 
     has_default_max_length = (
@@ -259,6 +334,49 @@ def generate(
             sequences=output, scores=result.scores, logits=result.logits, cache=verifier.cache.to_dynamic(0)
         )
     return (output, stats) if return_stats else output
+
+
+def _check_setting_types(kwargs: dict, generation_config: GenerationConfig | None) -> None:
+    """Raise, naming the setting, where a generation setting (a keyword or a field of `generation_config`) has a
+    value of the wrong kind, e.g. max_new_tokens="5" or do_sample="yes"."""
+    for kind, (fits, names) in _SETTING_KINDS.items():
+        for name in names:
+            for label, value in (
+                (name, kwargs.get(name)),
+                (f"generation_config.{name}", getattr(generation_config, name, None)),
+            ):
+                if value is not None and not fits(value):
+                    raise TypeError(f"{label}={value!r} ({type(value).__name__}): {name} takes {kind}")
+
+
+def _check_call_args(call: dict) -> None:
+    """Raise, naming the argument, where one that `generate` calls cannot be called as it will be."""
+    for name, role in _CALLABLES.items():
+        entries = call[name]
+        if entries is None:
+            continue
+        if not isinstance(entries, (list, tuple)):
+            raise TypeError(
+                f"{name} must be a list ({type(entries).__name__} given): pass a {name.title().replace('_', '')}List"
+                f" whose entries are each {role}"
+            )
+        for i, entry in enumerate(entries):
+            if not callable(entry):
+                raise TypeError(f"{name}[{i}] ({type(entry).__name__}) is not callable: each entry is {role}")
+    allowed = call["prefix_allowed_tokens_fn"]
+    if allowed is not None and not callable(allowed):
+        raise TypeError(
+            f"prefix_allowed_tokens_fn ({type(allowed).__name__}) is not callable: pass a function "
+            "(batch_id, input_ids) -> the list of token ids allowed next, or None"
+        )
+    streamer = call["streamer"]
+    if streamer is not None:
+        missing = [method for method in ("put", "end") if not callable(getattr(streamer, method, None))]
+        if missing:
+            raise TypeError(
+                f"streamer ({type(streamer).__name__}) has no {' or '.join(f'{m}()' for m in missing)}: a streamer is "
+                "a transformers BaseStreamer, with put(token_ids) and end(), e.g. TextStreamer(tokenizer)"
+            )
 
 
 def _reject_unsupported_kwargs(model, kwargs: dict) -> None:

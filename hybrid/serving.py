@@ -3,12 +3,17 @@ completions, streaming or not).
 
 It serves a folder written by `hybrid.export` (by default the embedded verifier with the chosen drafter, exported
 once into the cache) with `--trust-remote-code`, so every request's `model.generate` is `hybrid.generate`, and
-prints each request's tau and tokens/s. Everything else is transformers' own server.
+prints each request's tau and tokens/s. Everything else is transformers' own server, with two request rules on
+top (`request_rules`): a bad request is answered 400 with the reason, and a temperature above 0 samples.
 """
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+import json
 import logging
+import numbers
 import sys
 from pathlib import Path
 
@@ -22,6 +27,149 @@ def require_serving() -> None:
 
     if not is_serve_available():
         raise SystemExit(f"python -m hybrid serve needs the serving extra: {SERVING_EXTRA}")
+
+
+EXAMPLE_MESSAGES = '[{"role": "user", "content": "hello"}]'
+logger = logging.getLogger("hybrid.serving")
+
+
+@contextlib.contextmanager
+def request_rules():
+    """While `transformers serve` builds its app here, give its chat, text and responses handlers hybrid's request
+    rules (`check_request`, `sample_as_asked`) and make the app answer what it refuses (`answer_failures`)."""
+    from transformers.cli.serving import server
+
+    build_server = server.build_server
+    signature = inspect.signature(build_server)
+
+    def build_with_rules(*args, **kwargs):
+        handlers = signature.bind(*args, **kwargs).arguments
+        for name in ("chat_handler", "completion_handler", "response_handler"):
+            add_request_rules(handlers[name], chat=name == "chat_handler")
+        return answer_failures(build_server(*args, **kwargs))
+
+    server.build_server = build_with_rules
+    try:
+        yield
+    finally:
+        server.build_server = build_server
+
+
+def add_request_rules(handler, chat: bool) -> None:
+    """Check each request before transformers reads it, and sample where it asks for a temperature above 0."""
+    validate, build_config = handler._validate_request, handler._build_generation_config
+
+    def validate_request(body: dict) -> None:
+        validate(body)  # transformers' own: unknown fields are a 422
+        check_request(body, chat)
+
+    def build_generation_config(body: dict, model_generation_config, use_cb: bool = False):
+        return sample_as_asked(body, build_config(body, model_generation_config, use_cb=use_cb))
+
+    handler._validate_request = validate_request
+    handler._build_generation_config = build_generation_config
+
+
+def check_request(body: dict, chat: bool) -> None:
+    """Raise ValueError (answered 400) on a field transformers would trip over with a bare 500: messages, token
+    counts, sampling numbers, seed, generation_config, stream."""
+    if chat:
+        check_messages(body.get("messages"))
+    for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
+        value = body.get(name)
+        if value is not None and not (_is_number(value) and float(value).is_integer() and value >= 1):
+            raise ValueError(f"{name}={value!r}: ask for a whole number of new tokens, at least 1")
+    temperature = body.get("temperature")
+    if temperature is not None and not (_is_number(temperature) and temperature >= 0):
+        raise ValueError(f"temperature={temperature!r}: give 0 (greedy) or a number above 0 (sample at it)")
+    top_p = body.get("top_p")
+    if top_p is not None and not (_is_number(top_p) and 0 < top_p <= 1):
+        raise ValueError(f"top_p={top_p!r}: give a number in (0, 1] (1: no nucleus filter)")
+    seed = body.get("seed")
+    if seed is not None and not (isinstance(seed, int) and not isinstance(seed, bool)):
+        raise ValueError(f"seed={seed!r}: give a whole number")
+    if body.get("stream") is not None and not isinstance(body["stream"], bool):
+        raise ValueError(f"stream={body['stream']!r}: give true or false")
+    request_settings(body)
+
+
+def check_messages(messages) -> None:
+    if messages is None:
+        raise ValueError(f"messages is required: the conversation so far, e.g. {EXAMPLE_MESSAGES}")
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(
+            f"messages must be a non-empty list of messages, e.g. {EXAMPLE_MESSAGES}, got {json.dumps(messages)[:80]}"
+        )
+    for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        parts_ok = isinstance(content, (str, type(None))) or (
+            isinstance(content, list) and all(isinstance(part, dict) and "type" in part for part in content)
+        )
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str) or not parts_ok:
+            raise ValueError(
+                f"messages[{i}] must be an object with a string role and a content (a string, or a list of parts "
+                f'each with a "type"), e.g. {EXAMPLE_MESSAGES[1:-1]}, got {json.dumps(message)[:80]}'
+            )
+
+
+def request_settings(body: dict) -> dict:
+    """The settings of a request's `generation_config` field: a string holding a JSON object (or absent)."""
+    text = body.get("generation_config")
+    if text is None:
+        return {}
+    try:
+        settings = json.loads(text) if isinstance(text, str) else None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"generation_config is not valid JSON ({e}): give a JSON object as a string") from None
+    if not isinstance(settings, dict):
+        raise ValueError(
+            f"generation_config={text!r}: give a JSON object as a string, e.g. " + json.dumps('{"do_sample": true}')
+        )
+    return settings
+
+
+def sample_as_asked(body: dict, config):
+    """A request with a temperature above 0 (or, without a temperature, a top_p below 1) samples, as OpenAI's API
+    does, unless its generation_config sets do_sample. transformers serve keeps the model's do_sample there (greedy
+    for a model that does not set it), so where the two differ this says so in the log."""
+    temperature, top_p = body.get("temperature"), body.get("top_p")
+    asked = temperature > 0 if temperature is not None else top_p is not None and top_p < 1
+    if asked and not config.do_sample and "do_sample" not in request_settings(body):
+        setting = f"temperature {temperature}" if temperature is not None else f"top_p {top_p}"
+        logger.info(
+            "%s asks for a sample: sampling (transformers serve alone decodes this request greedily, as do_sample "
+            "is not set; set generation_config's do_sample to choose)",
+            setting,
+        )
+        config.do_sample = True
+    return config
+
+
+def answer_failures(app):
+    """Answer a request that `generate` or the checks refuse (ValueError, TypeError, a cache that cannot fit) with
+    400 and the reason; any other failure, a drafter's broken contract included, with 500 and the reason. The body
+    is OpenAI's error object, which OpenAI clients read."""
+    from fastapi.responses import JSONResponse
+
+    from drafters import DraftError
+    from verifiers.cache import CacheMemoryError
+
+    def answer(status: int, kind: str):
+        async def respond(request, exc):
+            error = {"message": str(exc), "type": kind, "param": None, "code": None}
+            return JSONResponse({"error": error}, status_code=status)
+
+        return respond
+
+    for refused in (ValueError, TypeError, CacheMemoryError):
+        app.add_exception_handler(refused, answer(400, "invalid_request_error"))
+    app.add_exception_handler(DraftError, answer(500, "server_error"))
+    app.add_exception_handler(Exception, answer(500, "server_error"))
+    return app
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def served_default(drafter: str) -> Path:
@@ -51,14 +199,14 @@ def serve(folder: str | Path, device: str, host: str, port: int, transformers_ar
             f"{bypassing[0]} serves requests without model.generate, so hybrid would not run: "
             f"run `transformers serve {folder} {bypassing[0]}` for transformers' own batching instead"
         )
-    log = logging.getLogger("hybrid.serving")
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("hybrid: %(message)s"))
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)
-    log.propagate = False
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
 
     from transformers.cli.transformers import app
 
     arguments = ["serve", str(folder), "--trust-remote-code", "--device", device, "--host", host, "--port", str(port)]
-    app(arguments + transformers_args, prog_name="transformers")
+    with request_rules():
+        app(arguments + transformers_args, prog_name="transformers")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -271,6 +272,126 @@ def test_max_length_shorter_than_prompt(model, prompt, drafter):
 def test_temperature_not_positive_when_sampling(model, prompt, drafter, temperature):
     with pytest.raises(ValueError, match=rf"temperature={temperature} with do_sample=True"):
         gen(model, prompt, drafter, do_sample=True, temperature=temperature)
+
+
+# --------------------------------------------------------------------------- arguments of the wrong kind
+
+# Each fails up front with a TypeError that names the argument (and, before these checks, failed deep inside
+# transformers or the engine with a message that named neither, or was silently read as something else).
+WRONG_KIND = {
+    "max_new_tokens str": ({"max_new_tokens": "5"}, r"max_new_tokens='5' \(str\): max_new_tokens takes a whole number"),
+    "max_new_tokens float": ({"max_new_tokens": 5.0}, r"max_new_tokens=5\.0 \(float\): max_new_tokens takes a whole"),
+    "max_new_tokens bool": ({"max_new_tokens": True}, r"max_new_tokens=True \(bool\)"),
+    "max_length str": ({"max_new_tokens": None, "max_length": "20"}, r"max_length='20' \(str\)"),
+    "min_new_tokens str": ({"min_new_tokens": "3"}, r"min_new_tokens='3' \(str\)"),
+    "no_repeat_ngram_size str": ({"no_repeat_ngram_size": "2"}, r"no_repeat_ngram_size='2'"),
+    "top_k str": ({"do_sample": True, "top_k": "5"}, r"top_k='5' \(str\): top_k takes a whole number"),
+    "top_k float": ({"do_sample": True, "top_k": 5.5}, r"top_k=5\.5 \(float\)"),
+    "temperature str": (
+        {"do_sample": True, "temperature": "0.7"},
+        r"temperature='0\.7' \(str\): temperature takes a number",
+    ),
+    "top_p str": ({"do_sample": True, "top_p": "0.9"}, r"top_p='0\.9' \(str\)"),
+    "min_p str": ({"do_sample": True, "min_p": "0.1"}, r"min_p='0\.1' \(str\)"),
+    "typical_p str": ({"do_sample": True, "typical_p": "0.5"}, r"typical_p='0\.5' \(str\)"),
+    "repetition_penalty str": ({"repetition_penalty": "1.2"}, r"repetition_penalty='1\.2' \(str\)"),
+    "max_time str": ({"max_time": "1"}, r"max_time='1' \(str\): max_time takes a number"),
+    "do_sample str": ({"do_sample": "yes"}, r"do_sample='yes' \(str\): do_sample takes True or False"),
+    "return_dict_in_generate str": ({"return_dict_in_generate": "yes"}, r"return_dict_in_generate='yes'"),
+    "output_scores str": ({"return_dict_in_generate": True, "output_scores": "x"}, r"output_scores='x'"),
+    "use_cache str": ({"use_cache": "no"}, r"use_cache='no' \(str\): use_cache takes True or False"),
+    "eos_token_id str": ({"eos_token_id": "3"}, r"eos_token_id='3' \(str\): eos_token_id takes a token id"),
+    "pad_token_id str": ({"pad_token_id": "0"}, r"pad_token_id='0' \(str\)"),
+    "suppress_tokens int": ({"suppress_tokens": 5}, r"suppress_tokens=5 \(int\): suppress_tokens takes a list"),
+    "forced_eos_token_id str": ({"forced_eos_token_id": "x"}, r"forced_eos_token_id='x'"),
+    "stop_strings int": ({"stop_strings": 5}, r"stop_strings=5 \(int\): stop_strings takes a string or a list"),
+    "exponential_decay_length_penalty int": (
+        {"exponential_decay_length_penalty": 5},
+        r"exponential_decay_length_penalty=5 \(int\): exponential_decay_length_penalty takes a pair",
+    ),
+    "watermarking_config int": ({"watermarking_config": 5}, r"watermarking_config=5 \(int\)"),
+    "a field of generation_config": (
+        {"generation_config": transformers.GenerationConfig(max_new_tokens=5.0)},
+        r"generation_config\.max_new_tokens=5\.0 \(float\)",
+    ),
+    "generation_config a dict": (
+        {"generation_config": {"do_sample": True}},
+        r"generation_config must be a transformers\.GenerationConfig, got dict: pass GenerationConfig\(\*\*settings\)",
+    ),
+    "return_stats str": ({"return_stats": "x"}, r"return_stats='x': pass True .* or False"),
+    "stopping_criteria of ints": (
+        {"stopping_criteria": [1, 2]},
+        r"stopping_criteria\[0\] \(int\) is not callable: each entry is a StoppingCriteria",
+    ),
+    "stopping_criteria an int": ({"stopping_criteria": 5}, r"stopping_criteria must be a list \(int given\)"),
+    "logits_processor of ints": (
+        {"logits_processor": [1]},
+        r"logits_processor\[0\] \(int\) is not callable: each entry is a LogitsProcessor",
+    ),
+    "logits_processor a processor": (
+        {"logits_processor": transformers.TopKLogitsWarper(3)},
+        r"logits_processor must be a list \(TopKLogitsWarper given\): pass a LogitsProcessorList",
+    ),
+    "prefix_allowed_tokens_fn not callable": (
+        {"prefix_allowed_tokens_fn": [1, 2]},
+        r"prefix_allowed_tokens_fn \(list\) is not callable: pass a function \(batch_id, input_ids\)",
+    ),
+    "streamer without put": (
+        {"streamer": object()},
+        r"streamer \(object\) has no put\(\) or end\(\): a streamer is a transformers BaseStreamer",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(WRONG_KIND), ids=list(WRONG_KIND))
+def test_an_argument_of_the_wrong_kind_is_named(model, prompt, drafter, case):
+    kwargs, message = WRONG_KIND[case]
+    with pytest.raises(TypeError, match=message):
+        gen(model, prompt, drafter, **kwargs)
+
+
+class PutOnly:
+    def put(self, value):
+        pass
+
+
+def test_a_streamer_without_end_is_named(model, prompt, drafter):
+    with pytest.raises(TypeError, match=r"streamer \(PutOnly\) has no end\(\)"):
+        gen(model, prompt, drafter, streamer=PutOnly())
+
+
+# Each setting at the value that switches it off (or with a type that is not a plain int/float: numpy, tensors):
+# `generate` reads each as asking for nothing, and so does hybrid; the output is the greedy reference.
+OFF_VALUES = {
+    "top_k=0": {"top_k": 0},
+    "top_p=1.0": {"top_p": 1.0},
+    "temperature=1 (an int)": {"temperature": 1},
+    "repetition_penalty=1.0": {"repetition_penalty": 1.0},
+    "no_repeat_ngram_size=0": {"no_repeat_ngram_size": 0},
+    "min_new_tokens=0": {"min_new_tokens": 0},
+    "max_new_tokens numpy": {"max_new_tokens": np.int64(MAX_NEW)},
+    "max_time=None": {"max_time": None},
+    "stop_strings=None": {"stop_strings": None},
+    "eos_token_id=None": {"eos_token_id": None},
+    "eos_token_id a list": {"eos_token_id": [VOCAB + 1]},
+    "eos_token_id a tensor": {"eos_token_id": torch.tensor([VOCAB + 1])},
+    "suppress_tokens=[]": {"suppress_tokens": []},
+    "logits_processor=[]": {"logits_processor": []},
+    "logits_processor=None": {"logits_processor": None},
+    "stopping_criteria empty": {"stopping_criteria": transformers.StoppingCriteriaList()},
+    "prefix_allowed_tokens_fn=None": {"prefix_allowed_tokens_fn": None},
+    "streamer=None": {"streamer": None},
+    "return_stats=False": {"return_stats": False},
+    "renormalize_logits=False": {"renormalize_logits": False},
+    "return_dict_in_generate=False": {"return_dict_in_generate": False, "output_scores": False},
+    "generation_config=None": {"generation_config": None},
+    "use_cache=True": {"use_cache": True},
+}
+
+
+@pytest.mark.parametrize("case", list(OFF_VALUES), ids=list(OFF_VALUES))
+def test_an_argument_at_its_off_value_is_accepted(env, model, prompt, drafter, case):
+    assert torch.equal(gen(model, prompt, drafter, **OFF_VALUES[case]), env["reference"])
 
 
 # --------------------------------------------------------------------------- drafters that break the contract

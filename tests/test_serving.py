@@ -4,6 +4,7 @@ stream's text is exactly the decoded tokens)."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import http.client
 import json
@@ -30,6 +31,7 @@ from hybrid.custom_generate import build_drafter, cached_drafter
 from hybrid.custom_generate import generate as glue_generate
 from hybrid.custom_generate.generate import _DRAFTERS
 from hybrid.export import GLUE, export_served
+from hybrid.serving import request_rules
 from hybrid.testing import tiny_model
 
 pytest.importorskip("fastapi", reason="the serving extra: pip install -e '.[serving]'")
@@ -249,24 +251,24 @@ class Client:
 
 @pytest.fixture(scope="module")
 def servers(served):
-    """transformers serve on the served folder, in this process: with trust_remote_code (hybrid) and without."""
+    """transformers serve on the served folder, in this process: hybrid (trust_remote_code and hybrid's request
+    rules, as `python -m hybrid serve` runs it) and plain (neither)."""
     from transformers.cli.serve import Serve
 
     running = {}
     try:
         for name, trust in (("hybrid", True), ("plain", False)):
             port = free_port()
-            running[name] = (
-                Serve(
+            with request_rules() if trust else contextlib.nullcontext():
+                server = Serve(
                     force_model=str(served),
                     trust_remote_code=trust,
                     device="cpu",
                     host="127.0.0.1",
                     port=port,
                     non_blocking=True,
-                ),
-                Client(port, str(served)),
-            )
+                )
+            running[name] = (server, Client(port, str(served)))
             wait_healthy(port)
         yield {name: client for name, (_, client) in running.items()}
     finally:
@@ -324,14 +326,99 @@ def test_concurrent_requests_never_mix_outputs(servers, reference):
 def test_an_unsupported_setting_is_a_clear_error_and_the_next_request_is_fine(servers, reference):
     _, _, answer = reference
     beams = {"generation_config": json.dumps({"num_beams": 4})}
+    message = "hybrid.generate does not support num_beams=4: beam search is not speculative; use num_beams=1"
     _, events = servers["hybrid"].stream(PROMPTS[0], 8, **beams)
-    assert (
-        "hybrid.generate does not support num_beams=4: beam search is not speculative; use num_beams=1"
-        in (events[-1]["error"])
-    )
-    status, _ = servers["hybrid"].post(servers["hybrid"].body(PROMPTS[0], 8, **beams))
-    assert status == 500  # transformers serve answers a failed non-streaming generate so; the log has the message
+    assert message in events[-1]["error"]  # the stream had begun: transformers serve ends it with an error event
+    status, data = servers["hybrid"].post(servers["hybrid"].body(PROMPTS[0], 8, **beams))
+    assert status == 400 and json.loads(data)["error"]["message"] == message
     assert servers["hybrid"].complete(PROMPTS[0], 12, temperature=0) == answer(PROMPTS[0], 12)
+
+
+def without(body: dict, name: str) -> dict:
+    return {k: v for k, v in body.items() if k != name}
+
+
+# (how the valid request is changed, whether it streams, what the 400's message says)
+BAD_REQUESTS = {
+    "messages missing": (lambda body: without(body, "messages"), False, r"messages is required: the conversation"),
+    "messages a string": (lambda body: {**body, "messages": "hello"}, False, r"messages must be a non-empty list"),
+    "messages empty, streamed": (lambda body: {**body, "messages": []}, True, r"messages must be a non-empty list"),
+    "a message a string": (
+        lambda body: {**body, "messages": ["hello"]},
+        False,
+        r"messages\[0\] must be an object with a string role",
+    ),
+    "max_tokens -5": (lambda body: {**body, "max_tokens": -5}, False, r"max_tokens=-5: ask for a whole number"),
+    "max_tokens -5, streamed": (lambda body: {**body, "max_tokens": -5}, True, r"max_tokens=-5"),
+    "max_tokens lots": (lambda body: {**body, "max_tokens": "lots"}, False, r"max_tokens='lots': ask for a whole"),
+    "max_tokens 2.5": (lambda body: {**body, "max_tokens": 2.5}, False, r"max_tokens=2\.5"),
+    "max_tokens 1e9": (lambda body: {**body, "max_tokens": 1e9}, False, r"needs .* of cache .* lower max_new_tokens"),
+    "temperature hot": (lambda body: {**body, "temperature": "hot"}, False, r"temperature='hot': give 0 \(greedy\)"),
+    "temperature -1": (lambda body: {**body, "temperature": -1}, False, r"temperature=-1"),
+    "top_p 2": (lambda body: {**body, "top_p": 2}, False, r"top_p=2: give a number in \(0, 1\]"),
+    "seed str": (lambda body: {**body, "seed": "11"}, False, r"seed='11': give a whole number"),
+    "generation_config not JSON": (
+        lambda body: {**body, "generation_config": "{num_beams"},
+        False,
+        r"generation_config is not valid JSON",
+    ),
+    "generation_config a list": (
+        lambda body: {**body, "generation_config": "[1]"},
+        False,
+        r"generation_config='\[1\]': give a JSON object as a string",
+    ),
+    "num_beams 2": (
+        lambda body: {**body, "generation_config": json.dumps({"num_beams": 2})},
+        False,
+        r"hybrid.generate does not support num_beams=2: beam search is not speculative",
+    ),
+    "top_k a string in generation_config": (
+        lambda body: {**body, "generation_config": json.dumps({"top_k": "5"})},
+        False,
+        r"generation_config\.top_k='5' \(str\): top_k takes a whole number",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_REQUESTS), ids=list(BAD_REQUESTS))
+def test_a_bad_request_is_answered_400_with_the_reason(servers, case):
+    change, stream, message = BAD_REQUESTS[case]
+    client = servers["hybrid"]
+    status, data = client.post(change(client.body(PROMPTS[0], 8, stream=stream, temperature=0)))
+    assert status == 400, data
+    error = json.loads(data)["error"]
+    assert error["type"] == "invalid_request_error" and re.search(message, error["message"]), error
+
+
+def test_after_bad_requests_the_next_one_is_right(servers, reference):
+    _, _, answer = reference
+    client = servers["hybrid"]
+    for change, stream, _ in BAD_REQUESTS.values():
+        assert client.post(change(client.body(PROMPTS[3], 8, stream=stream, temperature=0)))[0] == 400
+    assert client.complete(PROMPTS[3], 12, temperature=0) == answer(PROMPTS[3], 12)
+    assert client.stream(PROMPTS[3], 12, temperature=0)[0] == answer(PROMPTS[3], 12)
+
+
+def test_a_temperature_alone_samples_as_openai_does_and_the_log_says_the_plain_server_differs(
+    servers, reference, caplog
+):
+    _, _, answer = reference
+    greedy = answer(PROMPTS[2], 32)
+    with caplog.at_level(logging.INFO, logger="hybrid.serving"):
+        sampled = servers["hybrid"].complete(PROMPTS[2], 32, temperature=0.8, seed=5)
+    assert sampled != greedy
+    assert "temperature 0.8 asks for a sample: sampling (transformers serve alone decodes this request greedily" in (
+        caplog.text
+    )
+    # The same draw as the plain server's when it is told to sample; told the temperature alone, it decodes greedily.
+    told = {"generation_config": json.dumps({"do_sample": True, "temperature": 0.8}), "seed": 5}
+    assert servers["plain"].complete(PROMPTS[2], 32, **told) == sampled
+    assert servers["plain"].complete(PROMPTS[2], 32, temperature=0.8, seed=5) == greedy
+    # A top_p below 1 without a temperature samples too (at temperature 1); an explicit do_sample is obeyed.
+    assert servers["hybrid"].complete(PROMPTS[2], 32, top_p=0.95, seed=5) != greedy
+    not_sampling = {"generation_config": json.dumps({"do_sample": False}), "temperature": 0.8}
+    assert servers["hybrid"].complete(PROMPTS[2], 32, **not_sampling) == greedy
+    assert servers["hybrid"].stream(PROMPTS[2], 32, temperature=0.8, seed=5)[0] == sampled
 
 
 def test_a_malformed_request_is_refused_and_the_next_one_is_fine(servers, reference):
@@ -378,7 +465,10 @@ def test_hybrid_serve_runs_transformers_serve_and_logs_each_request(served, refe
         )
     try:
         wait_healthy(port, process)
-        assert Client(port, str(served)).complete(PROMPTS[0], 10, temperature=0) == answer(PROMPTS[0], 10)
+        client = Client(port, str(served))
+        assert client.complete(PROMPTS[0], 10, temperature=0) == answer(PROMPTS[0], 10)
+        status, data = client.post(without(client.body(PROMPTS[0], 10), "messages"))  # request_rules are in place
+        assert status == 400 and b"messages is required" in data
     finally:
         process.terminate()
         process.wait(timeout=30)
