@@ -114,10 +114,9 @@ def _is_decay(value) -> bool:
 # Generation settings by the kind of value they take (None always means "unset"): transformers compares or indexes
 # them deep inside `generate`, where a string or a float fails with a TypeError that names neither.
 _SETTING_KINDS = {
-    "a whole number (int)": (
-        _is_int,
-        ["max_new_tokens", "max_length", "min_new_tokens", "min_length", "top_k", "no_repeat_ngram_size"],
-    ),
+    "a whole number (int)": (_is_int, ["min_new_tokens", "min_length", "top_k", "no_repeat_ngram_size"]),
+    # A maximum is only compared with the sequence's length, so `generate` takes a float too (5.5: 6 new tokens).
+    "a length (int or float)": (_is_number, ["max_new_tokens", "max_length"]),
     "a number (float or int)": (
         _is_number,
         ["temperature", "top_p", "min_p", "top_h", "typical_p", "epsilon_cutoff", "eta_cutoff", "repetition_penalty"]

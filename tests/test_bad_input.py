@@ -279,8 +279,8 @@ def test_temperature_not_positive_when_sampling(model, prompt, drafter, temperat
 # Each fails up front with a TypeError that names the argument (and, before these checks, failed deep inside
 # transformers or the engine with a message that named neither, or was silently read as something else).
 WRONG_KIND = {
-    "max_new_tokens str": ({"max_new_tokens": "5"}, r"max_new_tokens='5' \(str\): max_new_tokens takes a whole number"),
-    "max_new_tokens float": ({"max_new_tokens": 5.0}, r"max_new_tokens=5\.0 \(float\): max_new_tokens takes a whole"),
+    "max_new_tokens str": ({"max_new_tokens": "5"}, r"max_new_tokens='5' \(str\): max_new_tokens takes a length"),
+    "min_new_tokens float": ({"min_new_tokens": 2.5}, r"min_new_tokens=2\.5 \(float\): min_new_tokens takes a whole"),
     "max_new_tokens bool": ({"max_new_tokens": True}, r"max_new_tokens=True \(bool\)"),
     "max_length str": ({"max_new_tokens": None, "max_length": "20"}, r"max_length='20' \(str\)"),
     "min_new_tokens str": ({"min_new_tokens": "3"}, r"min_new_tokens='3' \(str\)"),
@@ -311,8 +311,8 @@ WRONG_KIND = {
     ),
     "watermarking_config int": ({"watermarking_config": 5}, r"watermarking_config=5 \(int\)"),
     "a field of generation_config": (
-        {"generation_config": transformers.GenerationConfig(max_new_tokens=5.0)},
-        r"generation_config\.max_new_tokens=5\.0 \(float\)",
+        {"generation_config": transformers.GenerationConfig(top_k=5.5)},
+        r"generation_config\.top_k=5\.5 \(float\)",
     ),
     "generation_config a dict": (
         {"generation_config": {"do_sample": True}},
@@ -370,6 +370,7 @@ OFF_VALUES = {
     "no_repeat_ngram_size=0": {"no_repeat_ngram_size": 0},
     "min_new_tokens=0": {"min_new_tokens": 0},
     "max_new_tokens numpy": {"max_new_tokens": np.int64(MAX_NEW)},
+    "max_new_tokens a whole float (generate takes it)": {"max_new_tokens": float(MAX_NEW)},
     "max_time=None": {"max_time": None},
     "stop_strings=None": {"stop_strings": None},
     "eos_token_id=None": {"eos_token_id": None},
