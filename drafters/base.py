@@ -43,12 +43,16 @@ class Draft:
     confidence: float tensor [k] or None: the drafter's own belief that node i is what the verifier will
             choose once its parent was (e.g. its probability of the token). Schedulers calibrate it into
             acceptance probabilities; it never affects correctness.
+    stage:  LongTensor [k] or None: which of the drafter's `Drafter.stages` proposed node i (None: the first).
+            A stage's nodes follow the earlier stages' and never parent them, so the nodes of stages < s are
+            the draft those stages alone would have made: schedulers learn from it what each stage adds.
     """
 
     tokens: torch.Tensor
     probs: torch.Tensor | None = None
     confidence: torch.Tensor | None = None
     parents: torch.Tensor | None = None
+    stage: torch.Tensor | None = None
 
     @staticmethod
     def empty(device: torch.device | str = "cpu") -> Draft:
@@ -60,7 +64,7 @@ class Draft:
     def truncate(self, k: int) -> Draft:
         """The first k nodes (a tree still: parents come first)."""
         cut = lambda t: None if t is None else t[:k]  # noqa: E731
-        return Draft(self.tokens[:k], cut(self.probs), cut(self.confidence), cut(self.parents))
+        return Draft(self.tokens[:k], cut(self.probs), cut(self.confidence), cut(self.parents), cut(self.stage))
 
     @property
     def is_chain(self) -> bool:
@@ -93,7 +97,11 @@ class Draft:
         pick = lambda t: None if t is None else t[at.to(t.device)]  # noqa: E731
         renumbered = torch.tensor([index.get(parents[n], -1) for n in nodes], dtype=torch.long)
         return Draft(
-            self.tokens[at], pick(self.probs), pick(self.confidence), renumbered.to(self.tokens.device)
+            self.tokens[at],
+            pick(self.probs),
+            pick(self.confidence),
+            renumbered.to(self.tokens.device),
+            pick(self.stage),
         ).chain_or_tree()
 
     def best_chain(self) -> Draft:
@@ -111,8 +119,12 @@ class Draft:
     def chain_or_tree(self) -> Draft:
         """This draft with parents=None if it is a chain (the form chain-only code expects)."""
         if self.parents is not None and self.is_chain:
-            return Draft(self.tokens, self.probs, self.confidence, None)
+            return Draft(self.tokens, self.probs, self.confidence, None, self.stage)
         return self
+
+    def stage_list(self) -> list[int]:
+        """stage as Python ints (None spelled out: every node the first stage's)."""
+        return [0] * len(self) if self.stage is None else self.stage.tolist()
 
 
 # Warpers that rescale or cut the tail of a distribution but never reorder the tokens they keep.
@@ -136,6 +148,8 @@ class DraftContext:
     row:          this sequence's row in the verifier's batch.
     steps:        denoising passes the scheduler chose for this step (1..`Drafter.max_steps`); None
                   outside the engine (then a drafter uses its own setting).
+    stages:       how many of `Drafter.stages` run this step, the first ones (the scheduler's choice); None:
+                  all. A drafter of several stages runs only those.
 
     What a drafter may read of the verifier and keep beside it:
         hidden_states():   the states of the layers it asked for (`Drafter.hidden_layers`) for
@@ -158,6 +172,7 @@ class DraftContext:
     verifier: Verifier | None
     row: int = 0
     steps: int | None = None
+    stages: int | None = None
 
     def hidden_states(self) -> torch.Tensor | None:
         """[1, n, len(hidden_layers) * hidden] for the committed tokens but the last (None: none kept)."""
@@ -229,6 +244,12 @@ class Drafter:
     max_draft_len: int = 16
     max_nodes: int | None = None
     max_steps: int = 1
+
+    @property
+    def stages(self) -> tuple[Drafter, ...]:
+        """The drafters this one runs in turn, cheapest first, each continuing the draft so far: the scheduler may
+        run only the first few (`DraftContext.stages`). A single drafter is one stage, itself."""
+        return (self,)
 
     @property
     def node_budget(self) -> int:
@@ -340,9 +361,15 @@ def check_draft(draft: Draft, max_tokens: int, vocab_size: int, drafter_name: st
             shape = tuple(confidence.shape) if isinstance(confidence, torch.Tensor) else type(confidence).__name__
             raise DraftError(f"{where} returned confidence {shape}; expected ({k},) or None")
         confidence = confidence.float()
+    stage = draft.stage
+    if stage is not None:
+        if not isinstance(stage, torch.Tensor) or tuple(stage.shape) != (k,) or stage.is_floating_point():
+            shape = tuple(stage.shape) if isinstance(stage, torch.Tensor) else type(stage).__name__
+            raise DraftError(f"{where} returned stage {shape}; expected a ({k},) integer tensor or None")
+        stage = stage.long()
     probs = draft.probs
     if probs is None:
-        return Draft(tokens.long(), None, confidence, parents).chain_or_tree()
+        return Draft(tokens.long(), None, confidence, parents, stage).chain_or_tree()
     if not isinstance(probs, torch.Tensor) or tuple(probs.shape) != (k, vocab_size):
         shape = tuple(probs.shape) if isinstance(probs, torch.Tensor) else type(probs).__name__
         raise DraftError(f"{where} returned probs {shape}; expected ({k}, {vocab_size}) or None")
@@ -353,4 +380,4 @@ def check_draft(draft: Draft, max_tokens: int, vocab_size: int, drafter_name: st
         raise DraftError(f"{where} returned probs whose rows do not sum to 1")
     if k and bool((probs.gather(1, tokens.long()[:, None]) <= 0).any()):
         raise DraftError(f"{where} proposed a token its own probs give probability 0")
-    return Draft(tokens.long(), probs, confidence, parents).chain_or_tree()
+    return Draft(tokens.long(), probs, confidence, parents, stage).chain_or_tree()

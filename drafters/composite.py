@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from drafters.base import Draft, DraftContext, Drafter
 
 
@@ -17,7 +19,9 @@ class ChainDrafter(Drafter):
 
     Its `vocab_size`, `tokenizer` and `hidden_layers` are its sources' (which must agree), its `max_draft_len`,
     `max_nodes` and `max_steps` the largest of theirs (each source runs at most its own); the rows of a batch are drafted source by
-    source, each through the source's `fill_rows` (one forward for the block model).
+    source, each through the source's `fill_rows` (one forward for the block model). Its `stages` are its sources: a
+    row whose context says `stages = n` is drafted by the first n alone, and each node's `Draft.stage` names its
+    source.
     """
 
     def __init__(self, sources: list[Drafter]):
@@ -43,6 +47,10 @@ class ChainDrafter(Drafter):
             f"{type(s).__name__}:{s.max_draft_len}:{getattr(s, 'fingerprint', '')}" for s in sources
         )
 
+    @property
+    def stages(self) -> tuple[Drafter, ...]:
+        return self.sources
+
     def reset(self, ctx: DraftContext) -> None:
         for source in self.sources:
             source.reset(ctx)
@@ -61,7 +69,9 @@ class ChainDrafter(Drafter):
             rows = [
                 r
                 for r, draft in enumerate(drafts)
-                if len(draft) < reach[r] and draft.depth() < min(max_tokens[r], source.max_draft_len)
+                if (ctxs[r].stages is None or i < ctxs[r].stages)
+                and len(draft) < reach[r]
+                and draft.depth() < min(max_tokens[r], source.max_draft_len)
             ]
             if rows:
                 filled = source.fill_rows(
@@ -71,5 +81,18 @@ class ChainDrafter(Drafter):
                     [reach[r] for r in rows],
                 )
                 for r, draft in zip(rows, filled):
-                    drafts[r] = draft
+                    drafts[r] = with_stage(draft, drafts[r], i)
         return drafts
+
+
+def with_stage(draft: Draft, given: Draft, stage: int) -> Draft:
+    """`draft`, which starts with `given`, with its nodes past `given` marked as proposed by `stage`."""
+    known = given.stage_list()[: len(draft)]
+    stages = known + [stage] * (len(draft) - len(known))
+    return Draft(
+        draft.tokens,
+        draft.probs,
+        draft.confidence,
+        draft.parents,
+        torch.tensor(stages, dtype=torch.long, device=draft.tokens.device),
+    )

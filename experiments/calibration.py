@@ -26,14 +26,17 @@ class RecordingScheduler(CostAwareScheduler):
     """Logs (position, predicted conditional acceptance, accepted?) for every verified draft token."""
 
     def __init__(self):
-        super().__init__()
+        super().__init__(prior=False)  # measures calibration learned online, from nothing
         self.log: list[tuple[int, float, bool]] = []
 
-    def update(self, draft, accepted, draft_time, verify_time):
-        predicted = self.acceptance.predict(draft)  # before this step's evidence is folded in
-        for i in range(min(accepted + 1, len(draft))):  # positions after the first rejection were never judged
-            self.log.append((i + 1, predicted[i], i < accepted))
-        super().update(draft, accepted, draft_time, verify_time)
+    def update_batch(self, drafts, accepted, draft_times, verify_time):
+        for draft, kept in zip(drafts, accepted):
+            predicted = self.acceptance.predict(draft)  # before this step's evidence is folded in
+            kept, depths = set(kept), draft.depths()
+            for node, parent in enumerate(draft.parent_list()):
+                if parent < 0 or parent in kept:  # a node below a rejected one was never judged
+                    self.log.append((depths[node], predicted[node], node in kept))
+        super().update_batch(drafts, accepted, draft_times, verify_time)
 
 
 def reliability(log, bins: int = 10) -> list[dict]:

@@ -136,8 +136,14 @@ def decode(
             raise ValueError(
                 f"{type(scheduler).__name__}.denoising_steps returned {steps}; expected 1..{drafter.max_steps}"
             )
+        stages = scheduler.drafting_stages(len(active))
+        if not 0 <= stages <= len(drafter.stages):
+            raise ValueError(
+                f"{type(scheduler).__name__}.drafting_stages returned {stages}; expected 0..{len(drafter.stages)} "
+                f"(how many of {type(drafter).__name__}'s stages to run)"
+            )
         schedule_time = clock.lap()
-        _draft(drafter, active, budget, steps, max_length, rejection, verifier, do_sample)
+        _draft(drafter, active, budget, steps, stages, max_length, rejection, verifier, do_sample)
         draft_time = clock.lap()
         ks = scheduler.select_batch([row.draft for row in active])
         for row, k in zip(active, ks):
@@ -173,15 +179,16 @@ def decode(
     return DecodeResult([row.ids for row in rows], rows[0].scores, rows[0].logits, stats)
 
 
-def _draft(drafter, active, budget, steps, max_length, rejection, verifier, do_sample) -> None:
-    """Each row's draft for this step, of at most `budget` nodes and never past max_length (the bonus token needs
-    a slot): all rows asked at once, so a drafter may serve them in one forward."""
+def _draft(drafter, active, budget, steps, stages, max_length, rejection, verifier, do_sample) -> None:
+    """Each row's draft for this step by the drafter's first `stages` stages, of at most `budget` nodes and never past
+    max_length (the bonus token needs a slot): all rows asked at once, so a drafter may serve them in one forward.
+    No stage: no drafting, the step verifies the pending token alone."""
     asks = {}  # row -> how many nodes it may draft
     for row in active:
         room = max_length - row.ids.shape[1] - 1  # a draft of at most `room` nodes is at most `room` deep
         row.draft, row.draft_time = Draft.empty(row.ids.device), 0.0
-        if min(budget, room) > 0:
-            row.ctx.input_ids, row.ctx.steps = row.unmasked_ids(), steps
+        if min(budget, room) > 0 and stages > 0:
+            row.ctx.input_ids, row.ctx.steps, row.ctx.stages = row.unmasked_ids(), steps, stages
             asks[row] = min(budget, room)
     if not asks:
         return

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import itertools
 import weakref
+from pathlib import Path
 
 from drafters.base import Draft
 from schedulers.base import Scheduler
 from schedulers.calibration import AcceptanceModel
 from schedulers.cost_model import VerifyCostModel
+from schedulers.prior import PRIOR_OBSERVATIONS, shipped_prior
 
 
 def pair_fingerprint(drafter, model) -> dict:
@@ -49,21 +51,33 @@ def draft_expectation(acceptance, draft: Draft) -> list[float]:
 
 
 class _Calibrated(Scheduler):
-    """Shared state: the acceptance model, learned online across calls (or loaded from a file)."""
+    """Shared state: the acceptance model, learned online across calls, from the shipped prior for this drafter and
+    verifier when there is one (`schedulers.prior`; `prior=False`: start uninformed), or loaded from `calibration`."""
 
-    def __init__(self, calibration: str | None = None):
+    def __init__(self, calibration: str | None = None, prior: bool = True):
         self.calibration_path = calibration
+        self.use_prior = prior
         self.acceptance: AcceptanceModel | None = None
+        self.prior: Path | None = None  # the shipped prior file it started from (None: uninformed or calibration=)
 
     def reset(self, drafter, model=None) -> None:
         super().reset(drafter, model)
         fingerprint = pair_fingerprint(drafter, model)
         if self.acceptance is not None and self.acceptance.fingerprint == fingerprint:
             return  # same pair as the last call: keep learning
+        found = shipped_prior(fingerprint) if self.use_prior and self.calibration_path is None else None
+        self.prior, entry = found or (None, None)
         if self.calibration_path is not None:
             self.acceptance = AcceptanceModel.load(self.calibration_path, fingerprint)
+        elif entry is not None:
+            counts = AcceptanceModel.from_counts(entry["tried"], entry["accepted"], fingerprint)
+            self.acceptance = counts.discounted(PRIOR_OBSERVATIONS)
         else:
             self.acceptance = AcceptanceModel(self.max_draft_len, fingerprint)
+        self.start_pair(entry)
+
+    def start_pair(self, prior: dict | None) -> None:
+        """A new (drafter, verifier) pair: forget what was learned of the last one (`prior`: the shipped entry)."""
 
     def save_calibration(self, path) -> None:
         """Write what was learned, for `calibration=` in a later run with the same drafter and verifier."""
@@ -104,26 +118,39 @@ def default_scheduler(drafter, model) -> Scheduler:
 
 
 class CostAwareScheduler(_Calibrated):
-    """Pick k (nodes) maximising expected emitted tokens per second: (E(k) + 1) / (draft cost + verify cost(k + 1)).
+    """Each step, one decision costed as the whole step: which drafting stages run, then how many nodes of each row's
+    draft to verify, for the most expected emitted tokens per second of drafting and verifying together.
 
-    Verify cost comes from a `VerifyCostModel` measured on this device at start-up (cached) and
-    rescaled by observed verify times; draft cost is the running mean of observed draft times.
-    For a multi-step drafter it also picks the number of denoising passes: each is tried for
-    `STEP_TRIALS` steps, then the one with the best measured tokens per second is used, and the
-    runner-up is retried every `STEP_EXPLORE` steps (more passes cost drafter time and pay only
-    if they raise acceptance, which only measurement can tell).
+    After drafting it picks one width w for the batch (`select_batch`): rows verify min(w, their nodes), at
+    Σ_r (E_r(min(w, k_r)) + 1) / (draft cost + verify cost(rows x width(w + 1))), since a forward feeds every row
+    at the widest row's width (short rows padded, so up to w their nodes cost nothing more). Rows with nothing drafted
+    verify 0. Verify cost comes from a `VerifyCostModel` measured on this device at start-up (cached) and rescaled by
+    observed verify times; draft cost is the mean measured seconds of a step drafting with the stages that ran.
+
+    Before drafting it picks how many of the drafter's stages run (`drafting_stages`; a `ChainDrafter`'s sources,
+    cheapest first): the n maximising rows (1 + T_n) / (D_n + verify cost(rows x width(W_n))), with T_n the mean
+    accepted tokens per row the first n stages' nodes bring and W_n the mean widest verify they need. Both are known
+    for every n up to the stages that ran, since a stage's nodes follow the earlier stages' and never change which
+    of those are accepted (`Draft.stage`). D_n is the mean drafting seconds of steps that ran n stages (0 for none;
+    one never run counts as free, so it gets tried). When fewer than all win, every `STAGE_EXPLORE`-th such step
+    still runs them all, or what the later stages add would never be measured again.
+
+    For a multi-step drafter it also picks the number of denoising passes: each is tried for `STEP_TRIALS` steps,
+    then the one with the best measured tokens per second is used, and the runner-up is retried every
+    `STEP_EXPLORE` steps (more passes cost drafter time and pay only if they raise acceptance, which only
+    measurement can tell).
     """
 
     STEP_TRIALS = 8
     STEP_EXPLORE = 16
+    STAGE_EXPLORE = 8
+    PRIOR_STEPS = 8  # what the shipped prior's stage statistics count as: the run's own steps soon outweigh them
+    MOVING = 0.05  # a step's weight in a running mean after its first 1 / MOVING steps (machine load drifts)
 
-    def __init__(self, calibration: str | None = None, costs: dict[int, float] | None = None):
-        super().__init__(calibration)
+    def __init__(self, calibration: str | None = None, costs: dict[int, float] | None = None, prior: bool = True):
+        super().__init__(calibration, prior)
         self.verify_costs = VerifyCostModel(costs) if costs is not None else None
-        self.draft_cost = 0.0
-        self._declined = 0
-        self._step_stats: dict[int, list[float]] = {}  # passes -> [steps measured, tokens per second]
-        self._steps_for = None  # the pair those statistics belong to
+        self._declined = self._stages_declined = 0
         self._chosen_steps, self._step_count = 1, 0
 
     def reset(self, drafter, model=None) -> None:
@@ -132,9 +159,27 @@ class CostAwareScheduler(_Calibrated):
             if model is None:
                 raise ValueError("CostAwareScheduler needs the verifier (or costs=) to measure verification cost")
             self.verify_costs = VerifyCostModel.for_model(model)
-        if self._steps_for != self.acceptance.fingerprint:
-            self._step_stats = {s: [0, 0.0] for s in range(1, self.max_steps + 1)}
-            self._steps_for = self.acceptance.fingerprint
+        self._stages = self.num_stages  # until `drafting_stages` says otherwise
+
+    def start_pair(self, prior: dict | None) -> None:
+        self._step_stats = {s: [0, 0.0] for s in range(1, self.max_steps + 1)}  # passes -> [steps, tokens per s]
+        # n stages -> [steps, accepted tokens per row, verify width] of the nodes of the first n stages
+        self._stage_gain = [[0, 0.0, 1.0] for _ in range(self.num_stages + 1)]
+        self._stage_gain[0][0] = 1  # no stage: nothing accepted, the pending token alone, surely
+        if prior is not None and len(prior["stage_tokens"]) == self.num_stages + 1:
+            for n, (tokens, width) in enumerate(zip(prior["stage_tokens"], prior["stage_width"])):
+                self._stage_gain[n] = [self.PRIOR_STEPS, tokens, width]
+        self._draft_cost = [[1, 0.0]] + [[0, 0.0] for _ in range(self.num_stages)]  # n stages -> [steps, seconds]
+
+    def prior_entry(self) -> dict:
+        """What this scheduler learned that holds on any machine, for a shipped prior (`schedulers.prior`)."""
+        return {
+            "fingerprint": self.acceptance.fingerprint,
+            "tried": self.acceptance.tried.tolist(),
+            "accepted": self.acceptance.accepted.tolist(),
+            "stage_tokens": [tokens for _, tokens, _ in self._stage_gain],
+            "stage_width": [width for _, _, width in self._stage_gain],
+        }
 
     def denoising_steps(self) -> int:
         untried = [s for s, (n, _) in self._step_stats.items() if n < self.STEP_TRIALS]
@@ -147,6 +192,75 @@ class CostAwareScheduler(_Calibrated):
             self._chosen_steps = ranked[1] if explore else ranked[0]
         return self._chosen_steps
 
+    def drafting_stages(self, rows: int) -> int:
+        rate = self.expected_stage_rates(rows)
+        best = max(reversed(range(len(rate))), key=rate.__getitem__)  # a tie goes to more stages: they are measured
+        if best < self.num_stages:
+            self._stages_declined += 1
+            if self._stages_declined % self.STAGE_EXPLORE == 0:
+                best = self.num_stages
+        self._stages = best
+        return best
+
+    def expected_stage_rates(self, rows: int) -> list[float]:
+        """Expected emitted tokens per second of a step of `rows` rows that drafts with the first n stages, n = 0..all."""
+        return [
+            rows * (1 + tokens) / (seconds + self.verify_costs.cost(rows * self.verify_width(max(1, round(width)))))
+            for (_, tokens, width), (_, seconds) in zip(self._stage_gain, self._draft_cost)
+        ]
+
+    def select(self, draft: Draft) -> int:
+        return self.select_batch([draft])[0]
+
+    def select_batch(self, drafts: list[Draft]) -> list[int]:
+        rate = self.expected_batch_rates(drafts)
+        best = max(range(len(rate)), key=rate.__getitem__)
+        if (
+            best == 0 and len(rate) > 1
+        ):  # still verify the best positive w now and then, or a bad start is never unlearned
+            self._declined += 1
+            if self._declined % 4 == 0:
+                best = max(range(1, len(rate)), key=rate.__getitem__)
+        return [min(best, len(draft)) for draft in drafts]
+
+    def expected_rates(self, draft: Draft) -> list[float]:
+        """The objective for k = 0..len(draft) of a batch of one: expected emitted tokens per second."""
+        return self.expected_batch_rates([draft])
+
+    def expected_batch_rates(self, drafts: list[Draft]) -> list[float]:
+        """Expected emitted tokens per second of the whole step for widths w = 0..max draft: the rows'
+        E(min(w, k_r)) + 1 over this step's draft cost plus one forward of rows x (w + 1) tokens."""
+        expected = [draft_expectation(self.acceptance, draft) for draft in drafts]
+        rows, draft_cost = len(drafts), self._draft_cost[self._stages][1]
+        return [
+            sum(e[min(w, len(e) - 1)] + 1 for e in expected)
+            / (draft_cost + self.verify_costs.cost(rows * self.verify_width(w + 1)))
+            for w in range(max(len(d) for d in drafts) + 1)
+        ]
+
+    def update(self, draft: Draft, accepted: list[int], draft_time: float, verify_time: float) -> None:
+        self.update_batch([draft], [accepted], [draft_time], verify_time)
+
+    def update_batch(
+        self, drafts: list[Draft], accepted: list[list[int]], draft_times: list[float], verify_time: float
+    ) -> None:
+        for draft, kept in zip(drafts, accepted):
+            self.acceptance.update(draft, kept)
+        self.verify_costs.observe(len(drafts) * self.verify_width(1 + max(len(d) for d in drafts)), verify_time)
+        self._observe_stages(drafts, accepted, sum(draft_times))
+        if self._stages == self.num_stages:  # passes are compared on steps that ran every stage
+            self._observe_steps(sum(map(len, accepted)) + len(drafts), sum(draft_times) + verify_time)
+
+    def _observe_stages(self, drafts: list[Draft], accepted: list[list[int]], draft_seconds: float) -> None:
+        """Fold one step into T_n and W_n for every n up to the stages that ran, and into D of those stages."""
+        if draft_seconds > 0:  # a step with no room left to draft says nothing of what drafting costs
+            _fold(self._draft_cost[self._stages], draft_seconds)
+        stages = [draft.stage_list() for draft in drafts]
+        for n in range(1, self._stages + 1):
+            tokens = sum(sum(stage[node] < n for node in kept) for stage, kept in zip(stages, accepted)) / len(drafts)
+            width = 1 + max(sum(s < n for s in stage) for stage in stages)
+            _fold(self._stage_gain[n], tokens, width)
+
     def _observe_steps(self, tokens: float, seconds: float) -> None:
         """Fold one step's emitted tokens per second into the statistics of the passes it used."""
         stats = self._step_stats.get(self._chosen_steps)
@@ -156,62 +270,10 @@ class CostAwareScheduler(_Calibrated):
         weight = 1 / stats[0] if stats[0] <= self.STEP_TRIALS else 0.1  # a mean while trying, then a moving one
         stats[1] += weight * (tokens / seconds - stats[1])
 
-    def select(self, draft: Draft) -> int:
-        if not len(draft):
-            return 0
-        rate = self.expected_rates(draft)
-        best = max(range(len(rate)), key=rate.__getitem__)
-        if best == 0:  # still verify the best positive k now and then, or a bad start would never be unlearned
-            self._declined += 1
-            if self._declined % 4 == 0:
-                return max(range(1, len(rate)), key=rate.__getitem__)
-        return best
 
-    def update(self, draft: Draft, accepted: list[int], draft_time: float, verify_time: float) -> None:
-        super().update(draft, accepted, draft_time, verify_time)
-        self.verify_costs.observe(self.verify_width(len(draft) + 1), verify_time)
-        self.draft_cost += 0.05 * (draft_time - self.draft_cost)
-        self._observe_steps(len(accepted) + 1, draft_time + verify_time)
-
-    def select_batch(self, drafts: list[Draft]) -> list[int]:
-        """One width for the batch, chosen for expected tokens per second over all rows; each row verifies
-        its drafts up to it (a shorter row is padded in the forward anyway, so its drafts cost nothing)."""
-        if len(drafts) == 1:
-            return [self.select(drafts[0])]
-        rate = self.expected_batch_rates(drafts)
-        best = max(range(len(rate)), key=rate.__getitem__)
-        if best == 0 and len(rate) > 1:  # as in `select`: keep learning
-            self._declined += 1
-            if self._declined % 4 == 0:
-                best = max(range(1, len(rate)), key=rate.__getitem__)
-        return [min(best, len(draft)) for draft in drafts]
-
-    def update_batch(
-        self, drafts: list[Draft], accepted: list[list[int]], draft_times: list[float], verify_time: float
-    ) -> None:
-        if len(drafts) == 1:
-            return self.update(drafts[0], accepted[0], draft_times[0], verify_time)
-        for draft, kept, draft_time in zip(drafts, accepted, draft_times):
-            self.acceptance.update(draft, kept)
-            self.draft_cost += 0.05 * (draft_time - self.draft_cost)
-        self.verify_costs.observe(len(drafts) * self.verify_width(1 + max(len(d) for d in drafts)), verify_time)
-        self._observe_steps(sum(map(len, accepted)) + len(drafts), sum(draft_times) + verify_time)
-
-    def expected_batch_rates(self, drafts: list[Draft]) -> list[float]:
-        """Expected emitted tokens per second of the whole batch for widths w = 0..max draft: the rows'
-        E(min(w, k_r)) + 1 over their draft costs plus one forward of rows x (w + 1) tokens."""
-        expected = [draft_expectation(self.acceptance, draft) for draft in drafts]
-        rows = len(drafts)
-        return [
-            (sum(e[min(w, len(e) - 1)] + 1 for e in expected))
-            / (rows * self.draft_cost + self.verify_costs.cost(rows * self.verify_width(w + 1)))
-            for w in range(max(len(d) for d in drafts) + 1)
-        ]
-
-    def expected_rates(self, draft: Draft) -> list[float]:
-        """The objective for k = 0..len(draft): expected emitted tokens per second."""
-        expected = draft_expectation(self.acceptance, draft)
-        return [
-            (expected[k] + 1) / (self.draft_cost + self.verify_costs.cost(self.verify_width(k + 1)))
-            for k in range(len(draft) + 1)
-        ]
+def _fold(stats: list, *values: float) -> None:
+    """stats = [steps, mean, ...]: one more step's values, in a mean for the first 1 / MOVING steps, then a moving one."""
+    stats[0] += 1
+    weight = max(1 / stats[0], CostAwareScheduler.MOVING)
+    for i, value in enumerate(values, start=1):
+        stats[i] += weight * (value - stats[i])

@@ -10,8 +10,8 @@ def unpadded(m: int) -> int:
 
 
 class Scheduler:
-    """Each step the engine asks `max_draft_length()` before drafting, `select(draft)` after it, and
-    reports the outcome to `update`. `reset` starts a new `generate` call. A draft is a chain or a token tree
+    """Each step the engine asks `max_draft_length()`, `denoising_steps()` and `drafting_stages(rows)` before
+    drafting, `select(draft)` after it, and reports the outcome to `update`. `reset` starts a new `generate` call. A draft is a chain or a token tree
     (`drafters.Draft`); "tokens" below are its nodes, best first, and a selection is a prefix of them."""
 
     verify_width = staticmethod(unpadded)  # see `set_verify_width`
@@ -22,6 +22,7 @@ class Scheduler:
         self.max_draft_len = drafter.max_draft_len
         self.max_nodes = drafter.node_budget
         self.max_steps = getattr(drafter, "max_steps", 1)
+        self.num_stages = len(drafter.stages)
 
     def set_verify_width(self, width) -> None:
         """Told by the engine after `reset`: a verify of m tokens runs a forward `width(m)` positions wide. The
@@ -36,6 +37,11 @@ class Scheduler:
     def denoising_steps(self) -> int:
         """How many denoising passes the drafter runs this step (1..its max_steps). Default: all of them."""
         return self.max_steps
+
+    def drafting_stages(self, rows: int) -> int:
+        """How many of the drafter's stages (`Drafter.stages`, cheapest first) draft this step for the `rows` rows
+        being decoded: 0 drafts nothing. Default: all of them."""
+        return self.num_stages
 
     def select(self, draft: Draft) -> int:
         """How many of the drafted tokens to verify (a prefix of the draft). Default: all of them."""

@@ -83,9 +83,19 @@ class AcceptanceModel:
                 f"calibration file {path} was measured for {saved}, not for {fingerprint}: "
                 "calibrate this drafter/verifier pair (or drop calibration= to learn online)"
             )
+        return cls.from_counts(tried, accepted, fingerprint)
+
+    @classmethod
+    def from_counts(cls, tried: list, accepted: list, fingerprint: dict) -> AcceptanceModel:
         model = cls(len(tried), fingerprint)
-        model.tried, model.accepted = (
-            torch.tensor(tried, dtype=torch.float64),
-            torch.tensor(accepted, dtype=torch.float64),
-        )
+        model.tried = torch.tensor(tried, dtype=torch.float64)
+        model.accepted = torch.tensor(accepted, dtype=torch.float64)
+        return model
+
+    def discounted(self, observations: float) -> AcceptanceModel:
+        """This model with every cell's counts scaled down to at most `observations` tries, its rates kept: a prior
+        that the evidence of a run soon outweighs."""
+        scale = (observations / self.tried.clamp(min=observations)).clamp(max=1.0)
+        model = AcceptanceModel(self.tried.shape[0], self.fingerprint)
+        model.tried, model.accepted = self.tried * scale, self.accepted * scale
         return model

@@ -7,12 +7,24 @@ import json
 import pytest
 import torch
 from strategies import tiny_model
+from transformers import LogitsProcessorList
 
 import hybrid
-from drafters import Draft, PromptLookupDrafter
-from schedulers import AcceptanceModel, ConfidenceScheduler, CostAwareScheduler, FixedScheduler, VerifyCostModel
+import schedulers.prior
+from drafters import ChainDrafter, Draft, DraftContext, Drafter, PromptLookupDrafter
+from drafters.base import DraftError, check_draft
+from experiments.scheduler_prior import learn_prior
+from schedulers import (
+    AcceptanceModel,
+    ConfidenceScheduler,
+    CostAwareScheduler,
+    FixedScheduler,
+    Scheduler,
+    VerifyCostModel,
+)
 from schedulers.adaptive import expected_accepted, pair_fingerprint
 from schedulers.cost_model import measure_verify_costs
+from schedulers.prior import PRIOR_FILE, PRIOR_OBSERVATIONS, write_prior
 from verifiers.verifier import static_width
 
 
@@ -143,6 +155,15 @@ def test_calibration_learns_per_confidence_bin():
     assert model.tried[1, 0] == 0  # a position after a rejection was never tried
 
 
+def test_a_discounted_calibration_keeps_its_rates_with_at_most_so_many_observations():
+    model = AcceptanceModel(2)
+    model.tried[0, 3], model.accepted[0, 3] = 1000.0, 800.0
+    model.tried[1, 3], model.accepted[1, 3] = 10.0, 2.0
+    prior = model.discounted(32)
+    assert prior.tried[0, 3] == pytest.approx(32) and prior.accepted[0, 3] == pytest.approx(25.6)
+    assert prior.tried[1, 3] == 10 and prior.accepted[1, 3] == 2  # already fewer: as they are
+
+
 def test_calibration_file_round_trip_and_mismatch(tmp_path):
     s = CostAwareScheduler(costs={1: 1.0, 17: 3.0})
     model = tiny_model("llama", 64, 1, seed=0)
@@ -211,3 +232,160 @@ def test_the_default_scheduler_lets_its_verifier_be_freed():
     del model
     gc.collect()
     assert alive() is None
+
+
+# --------------------------------------------------------------------------- drafting stages: which drafters run
+
+
+class _Counting(Drafter):
+    """Proposes token 1 up to its budget (where nothing came before it), counting the rows it drafted."""
+
+    max_draft_len = 4
+
+    def __init__(self):
+        self.rows = 0
+
+    def propose(self, ctx, max_tokens):
+        self.rows += 1
+        return Draft(torch.ones(max_tokens, dtype=torch.long))
+
+
+class _CountingLookup(PromptLookupDrafter):
+    rows = 0
+
+    def propose(self, ctx, max_tokens):
+        self.rows += 1
+        return super().propose(ctx, max_tokens)
+
+
+def staged(k_lookup, k_second):
+    """A draft of `k_lookup` nodes from stage 0, then `k_second` from stage 1."""
+    return Draft(
+        torch.zeros(k_lookup + k_second, dtype=torch.long), stage=torch.tensor([0] * k_lookup + [1] * k_second)
+    )
+
+
+def test_chain_drafter_runs_the_stages_asked_for_and_names_each_nodes_stage():
+    second = _Counting()
+    chain = ChainDrafter([PromptLookupDrafter(max_ngram=2, max_draft_len=4), second])
+    assert chain.stages == tuple(chain.sources) and second.stages == (second,)
+    matched = DraftContext(torch.tensor([[5, 6, 7, 5, 6]]), False, LogitsProcessorList(), None, None)
+    unmatched = DraftContext(torch.tensor([[1, 2, 3, 4, 9]]), False, LogitsProcessorList(), None, None)
+    drafts = chain.propose_rows([chain, chain], [matched, unmatched], [4, 4])
+    assert drafts[0].stage_list() == [0, 0, 0] and drafts[0].tokens.tolist() == [7, 5, 6]  # the match: the lookup's
+    assert drafts[1].stage_list() == [1, 1, 1, 1] and second.rows == 1  # nothing to copy: the second stage's
+    unmatched.stages = matched.stages = 1
+    drafts = chain.propose_rows([chain, chain], [matched, unmatched], [4, 4])
+    assert [len(d) for d in drafts] == [3, 0] and second.rows == 1  # the second stage did not run
+    kept = drafts[0].truncate(1)
+    assert kept.stage_list() == [0] and check_draft(staged(1, 2), 3, 8, "x").stage_list() == [0, 1, 1]
+    with pytest.raises(DraftError, match=r"returned stage \(2,\); expected a \(3,\) integer tensor or None"):
+        check_draft(Draft(torch.zeros(3, dtype=torch.long), stage=torch.zeros(2, dtype=torch.long)), 3, 8, "x")
+
+
+def test_cost_aware_learns_what_each_stage_adds_from_the_nodes_it_proposed():
+    """One step: 2 lookup nodes then 3 of the second stage, the walk accepting 0, 1 (the lookup's) and 2 (the second
+    stage's). The lookup alone would have accepted 2 in a verify 3 wide; both stages 3 in a verify 6 wide."""
+    s = CostAwareScheduler(costs={1: 1.0, 17: 5.0})
+    s.reset(ChainDrafter([PromptLookupDrafter(max_draft_len=4), _Counting()]))
+    assert s.drafting_stages(1) == 2  # nothing known: a tie, which goes to running every stage
+    s.update_batch([staged(2, 3)], [[0, 1, 2]], [0.5], 1.0)
+    entry = s.prior_entry()
+    assert entry["stage_tokens"] == [0.0, 2.0, 3.0] and entry["stage_width"] == [1.0, 3.0, 6.0]
+    # Two rows, the second with nothing to copy: per row, the lookup brings 1 token, both stages 2.5; the widest row
+    # needs 1 + 2 and 1 + 5 positions. Two stages cost 0.5 s of drafting; the lookup alone was never run: free.
+    s.update_batch([staged(2, 3), staged(0, 4)], [[0, 1, 2], [0, 1]], [0.25, 0.25], 1.0)
+    rates = s.expected_stage_rates(2)
+    costs = s.verify_costs
+    assert rates == pytest.approx(
+        [2 / costs.cost(2), 2 * (1 + 1.5) / costs.cost(2 * 3), 2 * (1 + 2.75) / (0.5 + costs.cost(2 * 6))]
+    )
+
+
+def test_cost_aware_drops_a_stage_whose_forward_does_not_pay_and_keeps_probing_it():
+    """The lookup's 2 nodes are accepted (3 tokens in a verify of 3: 1.5 s); the second stage's 2 more too (5 tokens
+    in a verify of 5: 2 s). With its forward costing 4 s, the lookup alone wins (3 / 1.51 s against 5 / 6.01 s), and
+    every STAGE_EXPLORE-th declined step still runs both; costing 0.01 s, both win (5 / 2.02 s) at every step."""
+
+    def run(second_cost, steps=40):
+        s = CostAwareScheduler(costs={1: 1.0, 17: 5.0})
+        s.reset(ChainDrafter([PromptLookupDrafter(max_draft_len=4), _Counting()]))
+        chosen = []
+        for _ in range(steps):
+            n = s.drafting_stages(1)
+            chosen.append(n)
+            draft = staged(2, 2 if n == 2 else 0)
+            s.update_batch([draft], [[0, 1, 2, 3] if n == 2 else [0, 1]], [0.01 + (second_cost if n == 2 else 0)], 1.0)
+        return chosen
+
+    chosen = run(second_cost=4.0)
+    assert chosen[:2] == [2, 1]  # both first (a tie), then the lookup alone (never timed: free), now timed
+    declined = chosen[2:]
+    assert declined.count(2) == len(declined) // CostAwareScheduler.STAGE_EXPLORE and set(declined) == {1, 2}
+    assert run(second_cost=0.01) == [2] * 40
+
+
+def test_engine_runs_only_the_stages_the_scheduler_asks_for():
+    """Output is the verifier's whatever runs: all stages, the lookup alone, or no drafting at all."""
+
+    class Stages(Scheduler):
+        def __init__(self, n):
+            self.n = n
+
+        def drafting_stages(self, rows):
+            return self.n
+
+    model = tiny_model("llama", 48, 2, seed=0)
+    prompt = torch.tensor([[5, 6, 7, 5, 6, 7, 5, 6, 9, 10]])
+    expected = model.generate(prompt, max_new_tokens=12, do_sample=False)
+    for n, second_rows in [(2, True), (1, False), (0, False)]:
+        second, lookup = _Counting(), _CountingLookup(max_ngram=2, max_draft_len=4)
+        out = hybrid.generate(
+            model, prompt, drafter=ChainDrafter([lookup, second]), scheduler=Stages(n), max_new_tokens=12
+        )
+        assert torch.equal(out, expected)
+        assert (second.rows > 0) == second_rows and (lookup.rows > 0) == (n > 0)
+    with pytest.raises(ValueError, match=r"Stages\.drafting_stages returned 3; expected 0\.\.2"):
+        hybrid.generate(model, prompt, drafter=ChainDrafter([lookup, second]), scheduler=Stages(3), max_new_tokens=4)
+
+
+# --------------------------------------------------------------------------- cold start: the shipped prior
+
+
+FLAT = {1: 1.0, 17: 1.0}  # a verify costs the same at every width: every stage and node is worth verifying
+
+
+def test_a_scheduler_starts_from_the_shipped_prior_for_its_pair(tmp_path, monkeypatch):
+    """What a warmed scheduler learned, written by the prior command's function and found beside a checkpoint, is
+    where a fresh scheduler for the same drafter and verifier starts; another pair starts uninformed."""
+    model = tiny_model("llama", 48, 2, seed=0)
+    drafter = ChainDrafter([PromptLookupDrafter(max_ngram=2, max_draft_len=4), _Counting()])
+    prompts = [torch.tensor([[5, 6, 7, 5, 6, 7, 5, 6]]), torch.tensor([[9, 3, 9, 3, 9, 3, 4]])]
+    warmed = learn_prior(model, drafter, prompts, max_new_tokens=60, costs=FLAT)
+    path = tmp_path / "some-drafter" / PRIOR_FILE
+    path.parent.mkdir()
+    write_prior(path, warmed.prior_entry())
+    write_prior(path, warmed.prior_entry())  # rewriting replaces the pair's entry
+    assert len(json.loads(path.read_text())["priors"]) == 1
+    monkeypatch.setattr(schedulers.prior, "CHECKPOINTS", tmp_path)
+
+    fresh = CostAwareScheduler(costs=FLAT)
+    fresh.reset(drafter, model)
+    assert fresh.prior == path
+    assert torch.allclose(fresh.acceptance.tried, warmed.acceptance.tried.clamp(max=PRIOR_OBSERVATIONS))
+    for d in (staged(3, 1), draft(4, [0.9, 0.9, 0.2, 0.2]), draft(4)):
+        assert fresh.acceptance.predict(d) == pytest.approx(warmed.acceptance.predict(d), abs=0.03)
+        assert fresh.select(d) == warmed.select(d)
+    assert fresh.prior_entry()["stage_tokens"] == warmed.prior_entry()["stage_tokens"]
+
+    uninformed = CostAwareScheduler(costs=FLAT, prior=False)
+    uninformed.reset(drafter, model)
+    assert uninformed.prior is None and float(uninformed.acceptance.tried.sum()) == 0
+    other = CostAwareScheduler(costs=FLAT)
+    other.reset(PromptLookupDrafter(max_ngram=2, max_draft_len=4), model)  # another drafter: no prior of its own
+    assert other.prior is None and float(other.acceptance.tried.sum()) == 0
+    assert hybrid.generate(model, prompts[0], drafter=drafter, max_new_tokens=4).shape[1] == 12  # the default: too
+
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match=r"cannot read scheduler prior .*: rebuild it with `python -m experiments"):
+        CostAwareScheduler(costs=FLAT).reset(drafter, model)

@@ -1,0 +1,54 @@
+"""Write the scheduler prior shipped beside the default drafter: what the cost-aware scheduler learns on the dev prompts.
+
+    python -m experiments.scheduler_prior --num-prompts 8 --max-new-tokens 256
+
+Decodes the dev prompts (experiments/prompts/dev.jsonl: ours, never an evaluation set) one at a time, greedily, with
+`hybrid.load_default()`'s verifier and drafter and a `CostAwareScheduler` that starts uninformed and learns across
+them, as a process that has served those prompts would. Then it writes what holds on any machine (the acceptance
+counts, what each drafting stage adds; `CostAwareScheduler.prior_entry`) to `scheduler_prior.json` in the shipped
+drafter's checkpoint folder, where every calibrated scheduler for that drafter and verifier starts from it
+(`schedulers.prior`). Rerun it after retraining the drafter or changing its settings: a prior measured for another
+fingerprint is not used.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+import hybrid
+from schedulers import CostAwareScheduler
+from schedulers.prior import PRIOR_FILE, write_prior
+
+
+def learn_prior(model, drafter, prompts: list[torch.Tensor], max_new_tokens: int, costs=None) -> CostAwareScheduler:
+    """A scheduler that started uninformed and decoded each of `prompts` ([1, n] ids) greedily with `drafter`."""
+    scheduler = CostAwareScheduler(costs=costs, prior=False)
+    for ids in prompts:
+        hybrid.generate(model, ids, drafter=drafter, scheduler=scheduler, max_new_tokens=max_new_tokens)
+    return scheduler
+
+
+def main(argv=None):
+    from experiments.datasets import load_prompts
+    from hybrid.default import DRAFTER_DIR
+    from verifiers.prompts import encode_prompt
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-prompts", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--out", default=str(DRAFTER_DIR / PRIOR_FILE))
+    args = parser.parse_args(argv)
+    model, tokenizer, drafter = hybrid.load_default()
+    prompts = [encode_prompt(tokenizer, prompt) for prompt in load_prompts("dev")[: args.num_prompts]]
+    scheduler = learn_prior(model, drafter, prompts, args.max_new_tokens)
+    entry = scheduler.prior_entry()
+    write_prior(args.out, entry)
+    tried = int(scheduler.acceptance.tried.sum())
+    print(f"{len(prompts)} dev prompts, {tried} tried draft nodes; per number of stages run, accepted tokens per step")
+    print(f"{entry['stage_tokens']} and verify width {entry['stage_width']} -> {args.out}")
+
+
+if __name__ == "__main__":
+    main()
