@@ -35,7 +35,6 @@ import hashlib
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -47,7 +46,7 @@ from experiments.datasets import load_prompts
 from experiments.methods import METHODS, check_fits_model, make_drafter, method_drafter
 from experiments.models import MODEL_HELP, load_model
 from experiments.runs import append_record, resume_sharded
-from hybrid.stats import GenerationStats
+from hybrid.stats import GenerationStats, timed
 from schedulers import FixedScheduler
 from schedulers.registry import NAMES_HELP, check_scheduler_name, make_scheduler
 from verifiers.prompts import encode_prompt
@@ -87,31 +86,37 @@ def sampling_settings(temperature: float | None, top_p: float | None) -> dict:
 
 
 def run_method(
-    method: str, model, input_ids, reference, max_new_tokens: int, sampling: dict | None = None, seed: int = 0
+    method: str, model, input_ids, reference, settings: dict, seed: int = 0
 ) -> tuple[torch.Tensor, float, GenerationStats | None]:
-    """(output, seconds, hybrid's stats or None) for one method on one prompt; sampled runs start from
-    `torch.manual_seed(seed)`."""
-    sampling = sampling or {"do_sample": False}
-    settings = {"max_new_tokens": max_new_tokens, "attention_mask": torch.ones_like(input_ids)} | sampling
-    name = method
-    method, layout, scheduler_name = parse_method(name)
-    settings |= layout_settings(layout)
-    drafter_name = method_drafter(method)
+    """(output, seconds, hybrid's stats or None) for one method on `input_ids` (one prompt or a left-padded batch),
+    decoded with `generate`'s arguments `settings` (max_new_tokens, attention_mask, sampling); sampled runs start
+    from `torch.manual_seed(seed)`. Every method is timed the same way, end to end around its `generate` call."""
+    base, layout, scheduler_name = parse_method(method)
+    settings = settings | layout_settings(layout)
+    drafter_name = method_drafter(base)
     drafter = None if drafter_name is None else make_drafter(drafter_name, None, reference, model)
+    scheduler = FixedScheduler(16) if base == "oracle" and scheduler_name is None else None
+    if scheduler_name is not None:
+        scheduler = _SCHEDULERS.setdefault(method, make_scheduler(scheduler_name, drafter.node_budget))
     torch.manual_seed(seed)
-    start = time.perf_counter()
-    if method == "plain":
-        out, stats = model.generate(input_ids, **settings), None
-    elif method == "hf-lookup":
-        out, stats = model.generate(input_ids, prompt_lookup_num_tokens=10, **settings), None
-    else:
-        scheduler = FixedScheduler(16) if method == "oracle" and scheduler_name is None else None
-        if scheduler_name is not None:
-            scheduler = _SCHEDULERS.setdefault(name, make_scheduler(scheduler_name, drafter.node_budget))
-        out, stats = hybrid.generate(
-            model, input_ids, drafter=drafter, scheduler=scheduler, return_stats=True, **settings
-        )
-    return out, time.perf_counter() - start, stats
+    (out, stats), seconds = timed(lambda: decode(base, model, input_ids, drafter, scheduler, settings), model.device)
+    return out, seconds, stats
+
+
+def decode(
+    base: str, model, input_ids, drafter, scheduler, settings: dict
+) -> tuple[torch.Tensor, GenerationStats | None]:
+    """One `generate` call of a method (its name without layout or scheduler): (output, hybrid's stats or None)."""
+    if base == "plain":
+        return model.generate(input_ids, **settings), None
+    if base == "hf-lookup":
+        return model.generate(input_ids, prompt_lookup_num_tokens=10, **settings), None
+    return hybrid.generate(model, input_ids, drafter=drafter, scheduler=scheduler, return_stats=True, **settings)
+
+
+def decoding_settings(input_ids: torch.Tensor, max_new_tokens: int, sampling: dict) -> dict:
+    """`generate`'s arguments for one unpadded prompt."""
+    return {"max_new_tokens": max_new_tokens, "attention_mask": torch.ones_like(input_ids)} | sampling
 
 
 def prompt_sha(text: str) -> str:
@@ -177,19 +182,17 @@ def _measure(args, model, tokenizer, pending, path: Path, show_progress: bool) -
     bar = tqdm(total=len(pending), desc="bench", unit="run", disable=not show_progress, dynamic_ncols=True)
     for r, i, text, method in pending:
         input_ids = encode_prompt(tokenizer, text).to(model.device)
-        sampling = sampling_settings(args.temperature, args.top_p)
+        settings = decoding_settings(input_ids, args.max_new_tokens, sampling_settings(args.temperature, args.top_p))
         if i not in references:  # the output every method must reproduce (and the oracle proposes)
             torch.manual_seed(i)
-            references[i] = model.generate(
-                input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=args.max_new_tokens, **sampling
-            )
+            references[i] = model.generate(input_ids, **settings)
         if parse_method(method)[1] == "compiled" and (i, method) not in warmed:
             # Compile what this prompt's shapes need before timing it (model.generate's static cache is sized
             # per prompt, so it may recompile for each; hybrid's capacity is rounded up, so it rarely does).
-            _, seconds, _ = run_method(method, model, input_ids, references[i], args.max_new_tokens, sampling, i)
+            _, seconds, _ = run_method(method, model, input_ids, references[i], settings, i)
             WARM_UP[method] = WARM_UP.get(method, 0.0) + seconds
             warmed.add((i, method))
-        out, seconds, stats = run_method(method, model, input_ids, references[i], args.max_new_tokens, sampling, i)
+        out, seconds, stats = run_method(method, model, input_ids, references[i], settings, i)
         tau = None if stats is None else stats.tau
         record = dict(
             identity(args, text, r, method),
@@ -275,7 +278,9 @@ def parse_args(argv):
     parser = argparse.ArgumentParser(
         prog="python -m experiments.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--dataset", default="dev", help="dev, mt-bench, humaneval or a .jsonl file of prompts")
+    parser.add_argument(
+        "--dataset", default="dev", help="dev, mt-bench, humaneval, heldout or a .jsonl file of prompts"
+    )
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)

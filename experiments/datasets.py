@@ -1,5 +1,7 @@
 """Prompt sets. MT-Bench and HumanEval are EVALUATION sets (read from the wheels that ship them):
-never build or tune anything on them. `dev` (experiments/prompts/dev.jsonl) is ours, for tuning."""
+never build or tune anything on them. `dev` (experiments/prompts/dev.jsonl) is ours, for tuning. `heldout`
+(experiments/prompts/heldout.jsonl) is ours and HELD OUT: chat questions unlike the drafter's training prompts,
+never used for training or tuning (experiments/prompts/README.md)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from pathlib import Path
 from verifiers.embedded import wheel_file
 
 DEV = Path(__file__).parent / "prompts" / "dev.jsonl"
+HELD_OUT = Path(__file__).parent / "prompts" / "heldout.jsonl"
 
 
 def mt_bench() -> list[str]:
@@ -44,13 +47,18 @@ def jsonl(path: str | Path) -> list[str]:
     return prompts
 
 
-DATASETS = {"mt-bench": mt_bench, "humaneval": humaneval, "dev": lambda: jsonl(DEV)}
+DATASETS = {"mt-bench": mt_bench, "humaneval": humaneval, "dev": lambda: jsonl(DEV), "heldout": lambda: jsonl(HELD_OUT)}
 
 
 def load_prompts(name: str) -> list[str]:
-    """A dataset by name (mt-bench, humaneval, dev) or a path to a JSONL file."""
+    """A dataset by name (mt-bench, humaneval, dev, heldout) or a path to a JSONL file."""
     if name in DATASETS:
         return DATASETS[name]()
     if name.endswith(".jsonl"):
         return jsonl(name)
     raise ValueError(f"unknown dataset {name!r}: use one of {sorted(DATASETS)} or a path to a .jsonl file")
+
+
+def set_label(name: str) -> str:
+    """A prompt set as tables and plots name it: a .jsonl file by its stem."""
+    return Path(name).stem if name.endswith(".jsonl") else name

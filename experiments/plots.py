@@ -1,4 +1,5 @@
-"""PNG plots of an acceptance sweep. Optional: needs matplotlib (`pip install -e '.[experiments]'`)."""
+"""PNG plots of an acceptance sweep and of a regime sweep. Optional: needs matplotlib
+(`pip install -e '.[experiments]'`)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import importlib.util
 from pathlib import Path
 
 from experiments import metrics
+from experiments.datasets import set_label
 
 
 def available() -> bool:
@@ -105,3 +107,38 @@ def write_plots(records: list[dict], rows: list[dict], out: Path) -> list[str]:
             ax.set_xticks(sorted({r["block_size"] for r in by_block}))
         save(fig, speed_ax, "tau_and_speed_vs_block_size.png")
     return written
+
+
+def write_regimes_plot(rows: list[dict], drafting: list[str], path: Path) -> None:
+    """experiments.regimes' cells: one panel per temperature, each drafting method's tokens/s over the better of
+    plain `generate` and hybrid-none against the batch size, one line per (prompt set, method); above the dashed
+    line the drafts pay."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    temperatures = sorted({r["temperature"] for r in rows})
+    fig, axes = plt.subplots(1, len(temperatures), figsize=(4.5 * len(temperatures), 3.8), sharey=True, squeeze=False)
+    for ax, t in zip(axes[0], temperatures):
+        lines: dict[str, list[tuple[int, float]]] = {}
+        for r in rows:
+            for m in drafting:
+                if r["temperature"] == t and r["over_best_baseline"].get(m) is not None:
+                    name = set_label(r["dataset"]) if len(drafting) == 1 else f"{set_label(r['dataset'])} {m}"
+                    lines.setdefault(name, []).append((r["batch_size"], r["over_best_baseline"][m]))
+        for name, points in lines.items():
+            points.sort()
+            ax.plot([b for b, _ in points], [x for _, x in points], marker="o", label=name)
+        ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+        ax.set_xscale("log", base=2)
+        sizes = sorted({r["batch_size"] for r in rows})
+        ax.set_xticks(sizes, [str(b) for b in sizes])
+        ax.set_xlabel("batch size")
+        ax.set_title("greedy" if t == 0 else f"T = {t:g}")
+    axes[0][0].set_ylabel(f"{' / '.join(drafting)} tok/s over max(plain, none)")
+    handles, labels = axes[0][-1].get_legend_handles_labels()
+    if handles:
+        axes[0][-1].legend(handles, labels, fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)

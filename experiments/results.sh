@@ -32,6 +32,9 @@ python -m experiments.acceptance --datasets dev --drafters block-tree,default-tr
 python -m experiments.serving --concurrency 1,2,4 --requests 8 --max-tokens 256 --out runs/serving
 mkdir -p runs/batching && python -m experiments.batching --dataset mt-bench --num-prompts 8 --batch-sizes 1,2,4,8 \
     --max-new-tokens 64 --out runs/batching | tee runs/batching/batching.txt
+# Where the drafts pay: plain generate, the engine without drafts and the default, over the four prompt sets x
+# temperatures 0, 0.7, 1.0 x batch sizes 1, 2, 4, 8 (table.txt, regimes.png).
+python -m experiments.regimes --num-prompts 8 --max-new-tokens 64 --repeats 2 --out runs/regimes
 # DFlash's architecture against the block drafter's on one small data set (2 shards of answers + 30 k document
 # tokens): the same steps (300 each), and the block drafter at DFlash's compute (1800 steps); held-out tau of each.
 W=~/.cache/hybrid/drafter-extras
@@ -47,7 +50,7 @@ for run in dflash-drafter-a32 block-drafter-a32 block-drafter-a32-1800; do
     cp $W/$run/training.json runs/extras/$run-training.json
 done
 for run in calibration same-k bench-sampling-mt-bench bench-sampling-humaneval bench-trees-dev bench-trees-mt-bench bench-trees-humaneval \
-    bench-block-share-dev bench-block-share-mt-bench bench-block-share-humaneval tree-budget verify-costs serving batching extras; do
+    bench-block-share-dev bench-block-share-mt-bench bench-block-share-humaneval tree-budget verify-costs serving batching regimes extras; do
     mkdir -p "docs/results/$run"
     cp runs/$run/*.png runs/$run/*.md runs/$run/*.csv runs/$run/*.json runs/$run/*.txt "docs/results/$run/" 2>/dev/null || true
 done

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Callable, TypeVar
+
+import torch
+
+T = TypeVar("T")
 
 
 class Stopwatch:
@@ -19,6 +24,23 @@ class Stopwatch:
 
     def total(self) -> float:
         return time.perf_counter() - self.start
+
+
+def timed(call: Callable[[], T], device: torch.device | str | None = None) -> tuple[T, float]:
+    """(call(), its wall-clock seconds). The commands that compare decoders time every one through this, around
+    the whole `generate` call (argument checks, cache set-up, decoding), so no method's set-up is left off its
+    clock. On CUDA the clock stops when the GPUs have finished the call's work, not when the host has queued it."""
+    on_cuda = device is not None and torch.device(device).type == "cuda"
+    _synchronize(on_cuda)
+    start = time.perf_counter()
+    result = call()
+    _synchronize(on_cuda)
+    return result, time.perf_counter() - start
+
+
+def _synchronize(on_cuda: bool) -> None:
+    for index in range(torch.cuda.device_count() if on_cuda else 0):  # every GPU: a device_map spreads the layers
+        torch.cuda.synchronize(index)
 
 
 @dataclass

@@ -40,7 +40,7 @@ from schedulers.registry import NAMES_HELP
 def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     parser = argparse.ArgumentParser(prog="python -m experiments.acceptance", description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--datasets", default="dev", help="comma list of dev, mt-bench, humaneval or .jsonl prompt files"
+        "--datasets", default="dev", help="comma list of dev, mt-bench, humaneval, heldout or .jsonl prompt files"
     )
     parser.add_argument("--drafters", default="lookup,none", help=f"comma list of {', '.join(DRAFTERS)}")
     parser.add_argument("--schedulers", default="heuristic", help=f"comma list of {NAMES_HELP}")

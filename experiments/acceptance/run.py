@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 import zlib
 from pathlib import Path
 
@@ -15,6 +14,7 @@ from experiments import metrics
 from experiments.acceptance.plan import Config, Plan, Prompt, run_fields, run_key
 from experiments.models import load_model
 from experiments.runs import append_record
+from hybrid.stats import timed
 from verifiers.prompts import encode_prompt
 
 
@@ -32,24 +32,20 @@ def plain_generate(model, input_ids: torch.Tensor, temperature: float, plan: Pla
     """(output, seconds) of plain `model.generate`: the baseline, and for greedy the reference output."""
     # generate samples from the global RNG.
     torch.manual_seed(seed_for(plan.seed, prompt.dataset, prompt.index, temperature))
-    start = time.perf_counter()
-    out = model.generate(
-        input_ids, attention_mask=torch.ones_like(input_ids), **decoding_settings(temperature, plan.max_new_tokens)
-    )
-    return out, time.perf_counter() - start
+    settings = decoding_settings(temperature, plan.max_new_tokens) | {"attention_mask": torch.ones_like(input_ids)}
+    return timed(lambda: model.generate(input_ids, **settings), model.device)
 
 
 def run_one(model, input_ids, config: Config, fields: dict, reference, baseline, scheduler=None) -> dict:
     """Decode one prompt under one configuration; the record that goes to runs.jsonl."""
     generator = torch.Generator(device=model.device).manual_seed(seed_for(*run_key(fields)))
-    out, stats = hybrid.generate(
-        model,
-        input_ids,
-        drafter=config.make_drafter(reference, model),
-        scheduler=scheduler or config.make_scheduler(),
-        generator=generator,
-        return_stats=True,
-        **decoding_settings(config.temperature, fields["max_new_tokens"]),
+    drafter, scheduler = config.make_drafter(reference, model), scheduler or config.make_scheduler()
+    settings = decoding_settings(config.temperature, fields["max_new_tokens"])
+    (out, stats), seconds = timed(  # end to end, as plain generate is timed
+        lambda: hybrid.generate(
+            model, input_ids, drafter=drafter, scheduler=scheduler, generator=generator, return_stats=True, **settings
+        ),
+        model.device,
     )
     baseline_out, baseline_time = baseline
     baseline_new_tokens = baseline_out.shape[1] - input_ids.shape[1]
@@ -67,12 +63,13 @@ def run_one(model, input_ids, config: Config, fields: dict, reference, baseline,
         "prefill_time": stats.prefill_time,
         "draft_time": stats.draft_time,
         "verify_time": stats.verify_time,
-        "total_time": stats.total_time,
-        "tokens_per_s": stats.tokens_per_second,
+        "engine_time": stats.total_time,  # inside the engine's loop: what the draft and verify times add up to
+        "total_time": seconds,
+        "tokens_per_s": stats.new_tokens / seconds,
         "baseline_new_tokens": baseline_new_tokens,
         "baseline_time": baseline_time,
         "baseline_tokens_per_s": baseline_tokens_per_s,
-        "speedup": stats.tokens_per_second / baseline_tokens_per_s,
+        "speedup": stats.new_tokens / seconds / baseline_tokens_per_s,
         # Greedy: always compared with plain generate. Sampled outputs differ by design (other random draws).
         "matches_generate": bool(torch.equal(out, reference)) if config.temperature == 0 else None,
     }
