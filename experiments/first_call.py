@@ -33,6 +33,10 @@ from verifiers.prompts import encode_prompt
 RECORDS_FILE = "first_call.jsonl"
 
 
+def greedy(input_ids, max_new_tokens: int) -> dict:
+    return {"max_new_tokens": max_new_tokens, "attention_mask": torch.ones_like(input_ids), "do_sample": False}
+
+
 def measure_one(model_name: str, method: str, text: str, max_new_tokens: int, warm_texts: list[str]) -> dict:
     """In this (fresh) process: plain and `method` on `text`, first call and after warming on `warm_texts`."""
     model, tokenizer = load_model(model_name)
@@ -43,9 +47,10 @@ def measure_one(model_name: str, method: str, text: str, max_new_tokens: int, wa
         for phase in ("first", "warmed"):
             if phase == "warmed":
                 for warm in warm_texts:
-                    run_method(method, model, encode_prompt(tokenizer, warm), None, max_new_tokens)
-            plain, plain_s, _ = run_method("plain", model, input_ids, None, max_new_tokens)
-            out, hybrid_s, stats = run_method(method, model, input_ids, plain, max_new_tokens)
+                    warm_ids = encode_prompt(tokenizer, warm)
+                    run_method(method, model, warm_ids, None, greedy(warm_ids, max_new_tokens))
+            plain, plain_s, _ = run_method("plain", model, input_ids, None, greedy(input_ids, max_new_tokens))
+            out, hybrid_s, stats = run_method(method, model, input_ids, plain, greedy(input_ids, max_new_tokens))
             record[phase] = {
                 "new_tokens": plain.shape[1] - input_ids.shape[1],
                 "plain_s": plain_s,
