@@ -46,7 +46,7 @@ SAMPLING_CHECKS = {"checked": 0, "boundary_draws": 0}
 
 # Tiny random causal LMs of many architectures, the subjects of the property tests: each stresses something the
 # engine must get right (rotary vs learned vs ALiBi positions, sliding windows, local attention inside the model,
-# a model whose config says use_cache=False).
+# a model whose config says use_cache=False, caches whose keys and values differ in width, per-layer head sizes).
 def _llama_like(config_cls, model_cls, **extra):
     def build(vocab_size, num_layers, window):
         return config_cls(
@@ -79,6 +79,51 @@ def _mistral(vocab_size, num_layers, window):
     return _llama_like(transformers.MistralConfig, transformers.MistralForCausalLM, sliding_window=window)(
         vocab_size, num_layers, window
     )
+
+
+def _mla(config_cls, model_cls, **extra):
+    """Multi-head latent attention (DeepSeek-V2): the cache holds a compressed latent as keys and the shared rotary
+    key as values, one head each, of different widths; keys and values are expanded to every head after the cache.
+    Released checkpoints have num_key_value_heads == num_attention_heads, as here."""
+
+    def build(vocab_size, num_layers, window):
+        return config_cls(
+            vocab_size=vocab_size,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=num_layers,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            kv_lora_rank=16,
+            q_lora_rank=16,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=4,
+            v_head_dim=12,
+            **extra,
+        ), model_cls
+
+    return build
+
+
+# A small mixture of experts for the MLA models that have one (one dense layer first, as released).
+_MOE = {"moe_intermediate_size": 32, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1}
+
+
+def _gemma4(vocab_size, num_layers, window):
+    """Gemma 4 (text): full-attention layers have their own head size (a per-layer config attribute, which the global
+    config refuses to answer) and the last layer is always full attention."""
+    return transformers.Gemma4UnifiedTextConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        global_head_dim=16,
+        sliding_window=window or 4,
+        layer_types=["sliding_attention"] * (num_layers - 1) + ["full_attention"],
+    ), transformers.Gemma4UnifiedForCausalLM
 
 
 ARCHITECTURES = {
@@ -124,6 +169,27 @@ ARCHITECTURES = {
         transformers.MptConfig(vocab_size=vocab_size, d_model=32, n_layers=num_layers, n_heads=4, expansion_ratio=2),
         transformers.MptForCausalLM,
     ),  # ALiBi; its config says use_cache=False
+    "deepseek_v2": _mla(
+        transformers.DeepseekV2Config, transformers.DeepseekV2ForCausalLM, first_k_dense_replace=1, **_MOE
+    ),
+    "deepseek_v3": _mla(
+        transformers.DeepseekV3Config,
+        transformers.DeepseekV3ForCausalLM,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+        **_MOE,
+    ),
+    "minicpm3": _mla(transformers.MiniCPM3Config, transformers.MiniCPM3ForCausalLM),
+    "glm4_moe_lite": _mla(
+        transformers.Glm4MoeLiteConfig,
+        transformers.Glm4MoeLiteForCausalLM,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+        **_MOE,
+    ),
+    "gemma4": _gemma4,  # per-layer head sizes; sliding layers
 }
 # Llama-like architectures: what the block-diffusion drafter (RoPE, RMSNorm, SwiGLU geometry) can be built for.
 LLAMA_LIKE = ("llama", "qwen2", "qwen3", "mistral")

@@ -26,7 +26,7 @@ from verifiers.cache import row_mask_problem
 @st.composite
 def verifiers(draw):
     arch = draw(st.sampled_from(sorted(ARCHITECTURES)))
-    window = draw(st.sampled_from([None, 4, 9])) if arch in ("mistral", "gpt_neo") else None
+    window = draw(st.sampled_from([None, 4, 9])) if arch in ("mistral", "gpt_neo", "gemma4") else None
     return tiny_model(arch, draw(st.integers(32, 96)), draw(st.integers(1, 2)), draw(st.integers(0, 2**16)), window)
 
 

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 from strategies import LyingDrafter
 from transformers import OpenAIGPTConfig, OpenAIGPTLMHeadModel, RwkvConfig, RwkvForCausalLM
 
 import hybrid
 from drafters import ModelDrafter, PromptLookupDrafter
 from hybrid.testing import check_greedy_lossless, tiny_model
+from schedulers import FixedScheduler
+from verifiers import cache as cache_module
 
 GREEDY = {"do_sample": False, "pad_token_id": 0}
 
@@ -154,3 +157,82 @@ def test_half_precision_within_the_near_tie_contract(dtype):
         prompt = torch.randint(0, 96, (1, 8), generator=gen)
         for drafter in (PromptLookupDrafter(), ModelDrafter(model)):
             check_greedy_lossless(model, prompt, drafter, max_new_tokens=30, pad_token_id=0)
+
+
+def _glm4_moe_lite(num_key_value_heads: int):
+    config = transformers.Glm4MoeLiteConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=num_key_value_heads,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        kv_lora_rank=16,
+        q_lora_rank=16,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+    )
+    torch.manual_seed(0)
+    return transformers.Glm4MoeLiteForCausalLM(config).eval()
+
+
+def test_latent_attention_with_fewer_kv_heads_serves_only_one_token_per_forward():
+    """GLM-4-MoE-Lite's latent attention expands keys to every head and then repeats them again by
+    num_attention_heads // num_key_value_heads: any forward with a mask fails (inside SDPA). One token per forward,
+    as `generate` runs, takes no mask, so drafter=None is exact; a drafter is refused up front, naming the fix."""
+    model = _glm4_moe_lite(num_key_value_heads=2)
+    prompt = torch.randint(1, 96, (1, 10), generator=torch.Generator().manual_seed(1))
+    check_greedy_lossless(model, prompt, None, max_new_tokens=20, pad_token_id=0)
+    with pytest.raises(ValueError, match=r"num_key_value_heads=2 .* set num_key_value_heads=4, or pass drafter=None"):
+        hybrid.generate(model, prompt, drafter=PromptLookupDrafter(), max_new_tokens=5, **GREEDY)
+    with pytest.raises(ValueError, match=r"cannot be a drafter .* set num_key_value_heads=4"):
+        ModelDrafter(model)
+    consistent = _glm4_moe_lite(num_key_value_heads=4)  # as released: served with any drafter
+    for drafter in (PromptLookupDrafter(), ModelDrafter(consistent)):
+        check_greedy_lossless(consistent, prompt, drafter, max_new_tokens=20, pad_token_id=0)
+
+
+def _dory(mode: str):
+    config = transformers.DoryConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        n_input_layers=1,
+        n_output_layers=1,
+        sliding_window=4,
+        recurrent_kv_cache_mode=mode,
+    )
+    torch.manual_seed(0)
+    return transformers.DoryForCausalLM(config).eval()
+
+
+def test_looped_model_caches_each_loop_in_its_own_layers():
+    """Dory runs its recurrent layers twice, each loop into its own cache layers, which it appends to a cache of one
+    layer per model layer by deep copy; hybrid's cache has them from the start (copies would write nowhere)."""
+    model = _dory("per_loop")
+    prompt = torch.randint(1, 96, (1, 12), generator=torch.Generator().manual_seed(1))
+    for drafter, scheduler in ((None, None), (PromptLookupDrafter(), None), (ModelDrafter(model), FixedScheduler(4))):
+        check_greedy_lossless(model, prompt, drafter, scheduler, max_new_tokens=30, pad_token_id=0)
+    with pytest.raises(
+        ValueError, match=r"recurrent_kv_cache_mode='last_loop'.*serves recurrent_kv_cache_mode='per_loop'"
+    ):
+        hybrid.generate(_dory("last_loop"), prompt, drafter=None, max_new_tokens=5, **GREEDY)
+
+
+def test_per_layer_head_sizes_are_read_per_layer():
+    """Gemma 4's full-attention layers have their own head size: the global config refuses to say `head_dim`
+    (AmbiguousGlobalPerLayerAttributeError), so the cache reads each layer's config."""
+    model = tiny_model("gemma4", 96, 2, seed=0)
+    assert cache_module.cache_fingerprint(model)["layers"] == [(2, 8, 8), (2, 16, 16)]
+    prompt = torch.randint(1, 96, (1, 12), generator=torch.Generator().manual_seed(1))
+    for drafter in (None, PromptLookupDrafter(), ModelDrafter(model)):
+        check_greedy_lossless(model, prompt, drafter, max_new_tokens=30)

@@ -19,6 +19,8 @@ at every step and a compiled forward (CUDA graphs) replays instead of re-tracing
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
@@ -92,13 +94,13 @@ class SharedCache(Cache):
 
     def __init__(self, model, batch_size: int, capacity: int, hidden_width: int = 0, static: bool = False):
         text = model.config.get_text_config()
-        super().__init__(layers=[_RowLayer(self) for _ in range(text.num_hidden_layers)])
+        self.sources = cache_layer_sources(text)
+        super().__init__(layers=[_RowLayer(self) for _ in self.sources])
         self.capacity = max(int(capacity), 1)
         self.static = static
         self.lengths = [0] * batch_size  # tokens cached per row
         self.device, self.dtype, self.config = model.device, model.dtype, model.config
         self.layer_types, self.window = attention_pattern(text)
-        self.owner_fingerprint = cache_fingerprint(model)
         check_fits(model, batch_size, self.capacity, hidden_width)
         self.side: dict[str, torch.Tensor] = {}  # name -> [rows, capacity, *per_token], see `side_buffer`
         self.side_lengths: dict[str, list[int]] = {}  # name -> its valid tokens per row
@@ -319,6 +321,8 @@ class SharedCache(Cache):
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self.config)  # as `generate` builds it (sliding layers keep their window)
+        # A looped model's extra layers, as it appends them to a cache of one layer per model layer
+        cache.layers += [copy.deepcopy(cache.layers[source]) for source in self.sources[len(cache.layers) :]]
         for i, layer in enumerate(self.layers):
             n = self.lengths[row]
             cache.update(layer.keys[row : row + 1, :, :n].clone(), layer.values[row : row + 1, :, :n].clone(), i)
@@ -373,6 +377,9 @@ def row_mask_problem(model) -> str | None:
     returns, so the model must attend through the mask it is given and add nothing position-dependent of its own.
     """
     text = model.config.get_text_config()
+    problem = mask_problem(text)
+    if problem:
+        return problem
     implementation = model.config._attn_implementation
     if implementation not in MASKED_ATTENTION:
         return f"attn_implementation={implementation!r} builds its own causal mask (load it with attn_implementation='sdpa')"
@@ -394,6 +401,24 @@ def row_mask_problem(model) -> str | None:
     return None
 
 
+def mask_problem(text_config) -> str | None:
+    """Why the model's attention fails on any forward that takes a mask (None if it does not): then only unmasked
+    forwards run, a prefill and one token at a time, as `model.generate` runs it at batch 1.
+
+    Multi-head latent attention expands its cached latent to num_attention_heads heads and then repeats them
+    num_attention_heads // num_key_value_heads times more, which fits the queries only when the two head counts are
+    equal (as in every released checkpoint); without a mask, SDPA's grouped-query kernel takes the heads as they are."""
+    heads, kv_heads = text_config.num_attention_heads, getattr(text_config, "num_key_value_heads", None)
+    if getattr(text_config, "kv_lora_rank", None) and kv_heads and kv_heads != heads:
+        return (
+            f"its config has num_key_value_heads={kv_heads} but its latent attention (kv_lora_rank) expands keys and "
+            f"values to num_attention_heads={heads} heads, which transformers' attention repeats "
+            f"{heads // kv_heads}x more on every forward with a mask (a verify of drafted tokens, rows of different "
+            f"lengths): set num_key_value_heads={heads}"
+        )
+    return None
+
+
 def learned_position_limit(model) -> int | None:
     """Positions the model can embed when it has a learned position table (GPT-2's wpe, OPT's embed_positions), else
     None: rotary and ALiBi models have no table and, like `model.generate`, run past max_position_embeddings."""
@@ -408,17 +433,43 @@ def learned_position_limit(model) -> int | None:
     return min(sizes) if sizes else None
 
 
+def cache_layer_sources(text_config) -> list[int]:
+    """The model layer whose keys/values each layer of its cache holds: one cache layer per model layer, then for a
+    looped model (Dory, `recurrent_kv_cache_mode="per_loop"`) one per recurrent layer and loop after the first, in
+    the order the model appends them to a cache that has one layer per model layer."""
+    layers = list(range(text_config.num_hidden_layers))
+    loops = getattr(text_config, "n_recurrent_loops", 1)
+    if loops == 1 or not text_config.n_recurrent_layers:
+        return layers
+    name = type(text_config).__name__
+    if text_config.recurrent_kv_cache_mode != "per_loop":
+        raise ValueError(
+            f"{name} has recurrent_kv_cache_mode={text_config.recurrent_kv_cache_mode!r}: its earlier loops read each "
+            "layer's cached tensors directly, not through Cache.update, so they would read all of hybrid's preallocated "
+            "slots. hybrid serves recurrent_kv_cache_mode='per_loop' (each loop caches its own keys/values); use "
+            "model.generate for this model"
+        )
+    recurrent = layers[text_config.n_input_layers : text_config.n_input_layers + text_config.n_recurrent_layers]
+    return layers + recurrent * (loops - 1)
+
+
 def cache_fingerprint(model) -> dict:
-    """What a cache's shapes depend on: a cache built for a model with another fingerprint cannot serve it."""
+    """What a cache's shapes depend on: a cache built for a model with another fingerprint cannot serve it.
+
+    "layers" holds (heads, key width, value width) per cache layer, read from each layer's own config (head sizes may
+    differ by layer, as in Gemma 4). Multi-head latent attention (DeepSeek-V2 and its kin, `kv_lora_rank`) caches
+    one head: the compressed latent as keys, the shared rotary key as values."""
     text = model.config.get_text_config()
-    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    return {
-        "architecture": type(model).__name__,
-        "layers": text.num_hidden_layers,
-        "kv_heads": heads,
-        "head_dim": head_dim,
-    }
+    layers = []
+    for source in cache_layer_sources(text):
+        layer = text.per_layer_config[source]
+        if getattr(layer, "kv_lora_rank", None):
+            layers.append((1, layer.kv_lora_rank, layer.qk_rope_head_dim))
+            continue
+        heads = getattr(layer, "num_key_value_heads", None) or layer.num_attention_heads
+        head_dim = getattr(layer, "head_dim", None) or layer.hidden_size // layer.num_attention_heads
+        layers.append((heads, head_dim, head_dim))
+    return {"architecture": type(model).__name__, "layers": layers}
 
 
 def shape_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
@@ -430,8 +481,8 @@ def shape_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
 
 def bytes_per_row(model, capacity: int, hidden_width: int = 0) -> int:
     """Cache bytes one row needs: keys and values of every layer plus the kept hidden states."""
-    f = cache_fingerprint(model)
-    per_token = 2 * f["layers"] * f["kv_heads"] * f["head_dim"] + hidden_width
+    layers = cache_fingerprint(model)["layers"]
+    per_token = sum(heads * (key + value) for heads, key, value in layers) + hidden_width
     return shape_bytes((capacity, per_token), model.dtype)
 
 
@@ -467,15 +518,20 @@ def check_fits(model, batch_size: int, capacity: int, hidden_width: int = 0) -> 
 def foreign_cache_reason(model, cache) -> str | None:
     """Why `cache` (a transformers Cache) cannot have been built for `model`, or None if its shapes fit."""
     want = cache_fingerprint(model)
+    name, shapes = want["architecture"], want["layers"]
     layers = getattr(cache, "layers", [])
-    if layers and len(layers) != want["layers"]:
-        return f"it has {len(layers)} layers, {want['architecture']} has {want['layers']}"
-    for i, layer in enumerate(layers):
-        keys = getattr(layer, "keys", None)
-        if isinstance(keys, torch.Tensor) and keys.dim() == 4 and keys.numel():
-            if (keys.shape[1], keys.shape[-1]) != (want["kv_heads"], want["head_dim"]):
-                return (
-                    f"its layer {i} holds {keys.shape[1]} key/value heads of size {keys.shape[-1]}, "
-                    f"{want['architecture']} has {want['kv_heads']} of size {want['head_dim']}"
-                )
+    if layers and len(layers) != len(shapes):
+        return f"it has {len(layers)} layers, {name} has {len(shapes)}"
+    for i, (layer, shape) in enumerate(zip(layers, shapes)):
+        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+        if isinstance(keys, torch.Tensor) and isinstance(values, torch.Tensor) and keys.dim() == 4 and keys.numel():
+            held = (keys.shape[1], keys.shape[-1], values.shape[-1])
+            if held != shape:
+                return f"its layer {i} holds {_heads(*held)}, {name} has {_heads(*shape)}"
     return None
+
+
+def _heads(heads: int, key_width: int, value_width: int) -> str:
+    if key_width == value_width:
+        return f"{heads} key/value heads of size {key_width}"
+    return f"{heads} key/value heads of key size {key_width} and value size {value_width}"

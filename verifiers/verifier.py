@@ -12,7 +12,15 @@ from __future__ import annotations
 import torch
 from transformers import GenerationMixin, PreTrainedModel
 
-from verifiers.cache import SharedCache, attention_pattern, learned_position_limit, row_mask_problem, tree_layout
+from verifiers.cache import (
+    SharedCache,
+    attention_pattern,
+    cache_layer_sources,
+    learned_position_limit,
+    mask_problem,
+    row_mask_problem,
+    tree_layout,
+)
 from verifiers.kernels import cpu_linears, narrow_linears
 
 STATIC_CAPACITY_STEP = 256  # static caches are sized in multiples of this many slots
@@ -72,6 +80,15 @@ class Verifier:
                 "(linear attention / recurrent layers): speculative decoding needs a croppable KV cache"
             )
         attention_pattern(text)  # raises for attention kinds the cache cannot serve
+        cache_layer_sources(text)  # raises for a looped model whose loops read the cache past Cache.update
+        # A verifier fed one token per forward (drafter=None) runs what `generate` runs; anything wider needs a mask.
+        problem = mask_problem(text)
+        if problem and (role != "verifier" or max_width > 1):
+            fix = "pass drafter=None (one token per forward, as model.generate)" if role == "verifier" else ""
+            raise ValueError(
+                f"{type(model).__name__} cannot be a {role} that scores several tokens per forward: {problem}"
+                + (f", or {fix}" if fix else "")
+            )
         self.model = model
         self.hidden_layers = tuple(hidden_layers)
         self.hidden_width = len(self.hidden_layers) * text.hidden_size
