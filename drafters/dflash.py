@@ -10,8 +10,8 @@ One draft is one forward. The block is `[anchor, mask x (B - 1)]`, embedded by t
 embedding for the masks). The context is the verifier's hidden states of `target_layer_ids` (hidden_states index
 id + 1: index 0 is the embedding output) for every committed token but the anchor, fused as
 `hidden_norm(fc(concat))`. Each drafter layer attends over [its keys/values of the fused context ; the block],
-non-causally on full-attention layers, causally within a window on sliding-window ones (as vLLM and the reference
-read `layer_types`). The verifier's LM head turns positions 1..B-1 into logits.
+non-causally on full-attention layers, causally within a window on sliding-window ones (as vLLM and SGLang
+serve `layer_types`). The verifier's LM head turns positions 1..B-1 into logits.
 
 A context token's keys/values depend only on its own verifier states and position, so each is computed once, when
 the token is committed, and kept in a side buffer of the verifier's cache (`DraftContext.side_buffer`): a rollback
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -35,6 +36,10 @@ from drafters.context import gather_context, sync_context
 from drafters.tree import tree_below
 
 CONFIG_NAME = "config.json"
+# The model code a folder carries for `AutoModel.from_pretrained(folder, trust_remote_code=True)` (z-lab's documented
+# loading call), named as z-lab's folders name theirs.
+MODEL_CODE = Path(__file__).parent / "dflash_export" / "dflash.py"
+AUTO_MAP = {"AutoModel": "dflash.DFlashDraftModel"}
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"  # sharded weights, as transformers writes them
 CONTEXT = "dflash-context"  # the side buffer of the projected context keys/values
@@ -77,12 +82,14 @@ def dflash_value(config: Qwen3Config, name: str, default=None):
 
 
 def layer_kind(config: Qwen3Config, index: int) -> tuple[bool, int | None]:
-    """(causal, window) of drafter layer `index`: full-attention layers see the whole block, sliding-window layers
-    (Qwen3.6's drafters) see it causally within `sliding_window`; `dflash_config.causal` (vLLM) or `is_causal`
-    (the reference) overrides the causality of every layer."""
+    """(causal, window) of drafter layer `index`, as vLLM and SGLang serve it: full-attention layers see the whole
+    block, sliding-window layers (Qwen3.6's drafters) see it causally within `sliding_window`; `is_causal`, else
+    `dflash_config.causal`, sets the causality of every layer (vLLM's order)."""
     sliding = config.layer_types[index] == "sliding_attention"
     window = config.sliding_window if sliding else None
-    forced = dflash_value(config, "causal", getattr(config, "is_causal", None))
+    forced = getattr(config, "is_causal", None)
+    if forced is None:
+        forced = (getattr(config, "dflash_config", None) or {}).get("causal")
     return (sliding if forced is None else bool(forced)), window
 
 
@@ -319,7 +326,9 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None) -> DFlashMode
 
 
 def save_model(model: DFlashModel, path: str | Path, dtype: torch.dtype = torch.bfloat16) -> None:
-    """The DFlash folder the reference loader, vLLM and SGLang read: config.json and model.safetensors (`dtype`)."""
+    """The DFlash folder the reference loader, vLLM and SGLang read: config.json (with `auto_map`),
+    model.safetensors (`dtype`) and the model code `dflash.py` that `AutoModel.from_pretrained(path,
+    trust_remote_code=True)` runs."""
     from safetensors.torch import save_file
 
     path = Path(path)
@@ -330,10 +339,14 @@ def save_model(model: DFlashModel, path: str | Path, dtype: torch.dtype = torch.
     # rope_theta at the top level too, where the published configs (transformers 4.x) keep it.
     config.update(
         architectures=[ARCHITECTURE],
+        auto_map=AUTO_MAP,
         dtype=str(dtype).removeprefix("torch."),
         rope_theta=model.config.rope_parameters["rope_theta"],
     )
+    if "sliding_attention" in model.config.layer_types:  # else Qwen3Config drops the window on loading
+        config.update(use_sliding_window=True, sliding_window=model.config.sliding_window)
     (path / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    shutil.copyfile(MODEL_CODE, path / MODEL_CODE.name)
 
 
 def check_verifier(config: Qwen3Config, verifier) -> None:
