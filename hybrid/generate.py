@@ -22,6 +22,7 @@ from hybrid.engine import decode
 from hybrid.stats import GenerationStats
 from schedulers.adaptive import default_scheduler
 from schedulers.base import Scheduler
+from schedulers.cost_model import weight_left_rows
 from verifiers.cache import foreign_cache_reason
 from verifiers.verifier import Verifier, check_causal_lm
 
@@ -276,6 +277,7 @@ def generate(
         static=static,
         max_width=1 + (drafter.node_budget if drafter is not None else 0),
         compile_config=_compile_config(model, config) if static else None,
+        weight_left_rows=weight_left_rows(model),  # the cached choice, never a measurement inside this call
     )
     _check_context(verifier, prompt_len, config.max_length)
     _check_drafter(drafter, verifier, call["tokenizer"])

@@ -1,12 +1,17 @@
-"""What a verify of m positions costs on this device, measured, not assumed.
+"""What a verify of m positions costs on this device, and which matrix kernel it runs, measured, not assumed.
 
-The curve is not smooth: on the 2-core CPU this project is measured on, SmolLM2-135M costs about as much
-for m = 2-4 as for m = 1, 1.2x for m = 8 and 2x for m = 16 (the few-row kernels of `verifiers.kernels` up
-to 8 rows, PyTorch's beyond; `python -m experiments.verify_costs` prints both curves). So every m from 1 to
-17 is timed, and tree widths up to 65 (best of 2 forwards on a 64-token context, ~3 s), once per (model,
-dtype, device, threads), and cached on disk; later runs read the cache in well under a millisecond. Sizes
-between are interpolated and beyond the table extrapolated linearly. During a run, observed verify times
-rescale the curve (machine load changes), so the table only has to get the shape right.
+The curve is not smooth, and which kernel serves a width best depends on the CPU: on the 2-core CPU this project
+is measured on, SmolLM2-135M costs about as much for m = 2-4 as for m = 1 when its linears put the weight on the
+left (`verifiers.kernels`), and twice as much through PyTorch's own kernel; on another CPU it is the other way
+round. So every m from 1 to 17 and tree widths up to 65 are timed with each kernel, the kernels taking turns at
+each m (best of 3 forwards on a 64-token context), and each width gets the faster kernel (PyTorch's own unless the
+other beats it by `KERNEL_MARGIN`), so a step never costs more than PyTorch's forward of the same width. That is
+64 forwards per kernel, about 17 s for SmolLM2-135M on the 2-core CPU (from its per-width costs), once per
+(model, dtype, device, threads), inside the first call that needs the table (`python -m experiments.verify_costs`
+measures it ahead of time instead); the table and the choice are cached on disk together and later runs read
+them in well under a millisecond. Sizes between are interpolated and beyond the table extrapolated linearly.
+During a run, observed verify times rescale the curve (machine load changes), so the table only has to get the
+shape right.
 """
 
 from __future__ import annotations
@@ -20,11 +25,14 @@ from transformers import DynamicCache
 
 from verifiers.cache import learned_position_limit
 from verifiers.embedded import cache_dir
-from verifiers.kernels import cpu_linears, narrow_linears
+from verifiers.kernels import KERNELS, chosen_kernels, cpu_linears, force_kernel
 
 # Every width of a chain of up to 16 drafts + the pending token, then tree widths (the curve is smooth there).
 PROBE_SIZES = (*range(1, 18), 24, 33, 49, 65)
 CONTEXT = 64
+# A kernel other than PyTorch's own serves a width only if it is this much faster there: within the noise of a
+# shared machine PyTorch's is kept, so a misread never makes a step slower than PyTorch's forward.
+KERNEL_MARGIN = 0.05
 
 
 def device_key(model) -> str:
@@ -40,16 +48,17 @@ def device_key(model) -> str:
         str(torch.get_num_threads()),
         torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else "",
         ",".join(map(str, PROBE_SIZES)),  # a table of other sizes is measured again
-        "narrow-linears",  # measured through the kernels a verify uses (verifiers.kernels)
+        ",".join(KERNELS),  # and one that chose among other kernels (verifiers.kernels)
     ]
     return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
 
 
 @torch.inference_mode()
-def measure_verify_costs(model, sizes=PROBE_SIZES, repeats: int = 2, narrow: bool = True) -> dict[int, float]:
-    """Seconds for one forward of m tokens after a CONTEXT-token cache (shorter where a learned position table
-    ends sooner), for each m in `sizes` that fits (best of `repeats`); through the few-row kernels an eager
-    verify uses (`verifiers.kernels`) unless `narrow` is False."""
+def measure_verify_costs(model, sizes=PROBE_SIZES, repeats: int = 3, kernels=KERNELS) -> dict[str, dict[int, float]]:
+    """kernel -> m -> seconds for one forward of m tokens after a CONTEXT-token cache (shorter where a learned
+    position table ends sooner), for each m in `sizes` that fits, best of `repeats` rounds. The kernels take turns
+    at each m, in alternating order, so a moment of load elsewhere hits both; only "torch" is measured where the
+    model has no linears a kernel choice applies to (`verifiers.kernels.cpu_linears`)."""
     vocab = model.config.get_text_config().vocab_size
     limit = learned_position_limit(model)  # a learned position table bounds context + m
     sizes = tuple(m for m in sizes if limit is None or m < limit)
@@ -59,19 +68,41 @@ def measure_verify_costs(model, sizes=PROBE_SIZES, repeats: int = 2, narrow: boo
     cache = DynamicCache(config=model.config)
     cache.activate_past_recording()  # sliding-window layers keep what the crop below removes (as in Verifier)
     model(context, cache=cache, use_cache=True)
-    costs = {m: float("inf") for m in sizes}
-    linears = cpu_linears(model) if narrow else []
-    for m in (sizes[0], *sizes * repeats):  # the first forward only warms up
-        tokens = torch.randint(0, vocab, (1, m), generator=generator).to(model.device)
-        positions = torch.arange(length, length + m, device=model.device)[None]
-        _sync(model)
-        start = time.perf_counter()
-        with narrow_linears(linears):
-            model(tokens, position_ids=positions, cache=cache, use_cache=True)
-        _sync(model)
-        costs[m] = min(costs[m], time.perf_counter() - start)  # the minimum is the least disturbed by noise
-        cache.crop(-m)
+    linears = cpu_linears(model)
+    kernels = tuple(k for k in kernels if k == "torch" or linears)
+    costs = {kernel: {m: float("inf") for m in sizes} for kernel in kernels}
+    _forward_each(model, cache, length, sizes[:1], kernels, linears, generator, costs)  # warms up
+    for turn in range(repeats):
+        _forward_each(model, cache, length, sizes, kernels if turn % 2 else kernels[::-1], linears, generator, costs)
     return costs
+
+
+def _forward_each(model, cache, length, sizes, kernels, linears, generator, costs) -> None:
+    """One forward of m random tokens after the cache per m and kernel, each kept in `costs` if the fastest yet."""
+    vocab = model.config.get_text_config().vocab_size
+    for m in sizes:
+        for kernel in kernels:
+            tokens = torch.randint(0, vocab, (1, m), generator=generator).to(model.device)
+            positions = torch.arange(length, length + m, device=model.device)[None]
+            _sync(model)
+            start = time.perf_counter()
+            with force_kernel(kernel), chosen_kernels(linears, frozenset()):
+                model(tokens, position_ids=positions, cache=cache, use_cache=True)
+            _sync(model)
+            costs[kernel][m] = min(costs[kernel][m], time.perf_counter() - start)  # the least disturbed
+            cache.crop(-m)
+
+
+def choose_kernels(curves: dict[str, dict[int, float]]) -> tuple[dict[int, float], dict[int, str]]:
+    """Per width, the kernel a forward runs and what it costs: the fastest, unless it beats PyTorch's own
+    ("torch", which every curve set has) by less than KERNEL_MARGIN."""
+    costs, kernels = {}, {}
+    for m, torch_cost in curves["torch"].items():
+        best = min(curves, key=lambda kernel: curves[kernel][m])
+        if curves[best][m] >= (1 - KERNEL_MARGIN) * torch_cost:
+            best = "torch"
+        costs[m], kernels[m] = curves[best][m], best
+    return costs, kernels
 
 
 def _sync(model) -> None:
@@ -80,26 +111,59 @@ def _sync(model) -> None:
 
 
 class VerifyCostModel:
-    """cost(m): expected seconds of a verify step that feeds m tokens (the pending one + m - 1 drafts)."""
+    """cost(m): expected seconds of a verify step that feeds m tokens (the pending one + m - 1 drafts);
+    kernel(m): the matrix kernel that step runs (`verifiers.kernels`; "torch" wherever none was chosen)."""
 
-    def __init__(self, costs: dict[int, float]):
+    def __init__(self, costs: dict[int, float], kernels: dict[int, str] | None = None):
         self.sizes = sorted(costs)
         self.table = [costs[m] for m in self.sizes]
+        self.kernels = {m: (kernels or {}).get(m, "torch") for m in self.sizes}
         self.scale = 1.0  # observed / predicted, tracked online
 
     @classmethod
     def for_model(cls, model, use_disk_cache: bool = True) -> VerifyCostModel:
-        path = cache_dir() / "costs" / f"{device_key(model)}.json"
-        if use_disk_cache and path.exists():
-            return cls({int(m): t for m, t in json.loads(path.read_text()).items()})
-        costs = measure_verify_costs(model)
+        """The cached table of this (model, dtype, device, threads), measured and cached first if there is none."""
+        cached = cls.cached(model) if use_disk_cache else None
+        if cached is not None:
+            return cached
+        table = cls(*choose_kernels(measure_verify_costs(model)))
         if use_disk_cache:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(costs))
-        return cls(costs)
+            table.save(model)
+        return table
+
+    @classmethod
+    def cached(cls, model) -> VerifyCostModel | None:
+        """The table cached for this (model, dtype, device, threads), or None; never measures."""
+        path = _table_path(model)
+        try:
+            saved = json.loads(path.read_text())
+            return cls({int(m): t for m, t in saved["costs"].items()}, {int(m): k for m, k in saved["kernels"].items()})
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):  # none yet, or not a table: measure again
+            return None
+
+    def save(self, model) -> None:
+        """Cache this table as the one of this (model, dtype, device, threads)."""
+        path = _table_path(model)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"costs": dict(zip(self.sizes, self.table)), "kernels": self.kernels}))
 
     def cost(self, m: int) -> float:
         return self.scale * self._interpolate(m)
+
+    def kernel(self, m: int) -> str:
+        """The kernel a forward of m fed rows runs: a probed width's choice; between two probed widths "weight-left"
+        only where both chose it; past the table PyTorch's own."""
+        if m in self.kernels:
+            return self.kernels[m]
+        below = [s for s in self.sizes if s < m]
+        above = [s for s in self.sizes if s > m]
+        if below and above and self.kernels[below[-1]] == self.kernels[above[0]] == "weight-left":
+            return "weight-left"
+        return "torch"
+
+    def weight_left_rows(self) -> frozenset[int]:
+        """The row counts whose products run as (W @ x.T).T: what a `Verifier` takes as `weight_left_rows`."""
+        return frozenset(m for m in range(1, self.sizes[-1] + 1) if self.kernel(m) == "weight-left")
 
     def observe(self, m: int, seconds: float, weight: float = 0.05) -> None:
         """Fold one measured verify time into the scale (an exponential moving average of the ratio)."""
@@ -119,3 +183,14 @@ class VerifyCostModel:
         half = min(len(sizes) // 2, len(sizes) - 2)
         slope = (table[-1] - table[half]) / (sizes[-1] - sizes[half]) if len(sizes) > 1 else 0.0
         return table[-1] + max(slope, 0.0) * (m - sizes[-1])
+
+
+def _table_path(model):
+    return cache_dir() / "costs" / f"{device_key(model)}.json"
+
+
+def weight_left_rows(model) -> frozenset[int]:
+    """The row counts the cached table of `model` runs weight-left; none (PyTorch's kernels everywhere) while no
+    table is cached, so a plain step is never slower than `generate`'s and never waits for a measurement."""
+    table = VerifyCostModel.cached(model) if cpu_linears(model) else None
+    return frozenset() if table is None else table.weight_left_rows()

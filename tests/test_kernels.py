@@ -1,52 +1,98 @@
-"""The few-row CPU kernels a verify runs its linears through: the same products, and the model left as it was."""
+"""The matrix kernels a verifier's linears run: the same products, each row count through the kernel the machine's
+cost table chose for it, every kernel lossless, and the user's model left as it was."""
 
 from __future__ import annotations
 
 import threading
+from unittest import mock
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_batch import test_batch_rows_equal_batch_one_outputs as batch_property
+from test_greedy_lossless import test_greedy_output_equals_model_generate as greedy_property
 from torch import nn
 
 import hybrid
 from drafters import PromptLookupDrafter
 from hybrid.testing import tiny_model
-from verifiers.kernels import NARROW_ROWS, cpu_linears, narrow_linear, narrow_linears
+from schedulers import cost_model
+from schedulers.cost_model import KERNEL_MARGIN, VerifyCostModel, choose_kernels, weight_left_rows
+from verifiers import kernels
+from verifiers.kernels import KERNELS, chosen_kernels, cpu_linears, force_kernel, weight_left_linear
+
+IDS = torch.tensor([[1, 2, 3, 1, 2, 3, 1, 2]])
 
 
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("shape", [(1, 576), (2, 576), (1, 3, 576), (2, 4, 576), (8, 576), (1, 9, 576), (0, 576)])
-def test_narrow_linear_is_the_linear(shape, bias):
+def test_weight_left_linear_is_the_linear(shape, bias):
     layer = nn.Linear(576, 100, bias=bias)
     x = torch.randn(shape)
-    out = narrow_linear(layer, x)
+    out = weight_left_linear(layer, x)
     assert out.shape == (*shape[:-1], 100) and out.is_contiguous()
     torch.testing.assert_close(out, nn.functional.linear(x, layer.weight, layer.bias))
 
 
-def test_narrow_rows_are_the_few_row_products():
-    assert 1 not in NARROW_ROWS and all(m in NARROW_ROWS for m in range(2, 9))
+def weight_left_rows_seen():
+    """A spy on the weight-left kernel: the row counts it computed, in order."""
+    seen = []
+
+    def spy(module, x):
+        seen.append(x.numel() // x.shape[-1])
+        return weight_left_linear(module, x)
+
+    return seen, mock.patch.object(kernels, "weight_left_linear", spy)
 
 
-def test_only_plain_float32_cpu_linears_are_routed():
+def test_each_row_count_runs_its_chosen_kernel():
+    layer = nn.Linear(8, 8)
+    seen, spy = weight_left_rows_seen()
+    with spy, chosen_kernels([layer], frozenset({2, 4})):
+        for rows in (1, 2, 3, 4, 5):
+            layer(torch.randn(rows, 8))
+    assert seen == [2, 4]
+    with spy, force_kernel("weight-left"), chosen_kernels([layer], frozenset()):
+        layer(torch.randn(1, 8)), layer(torch.randn(7, 8))
+    assert seen == [2, 4, 1, 7]
+    with spy, force_kernel("torch"), chosen_kernels([layer], frozenset({2})):
+        layer(torch.randn(2, 8))
+        assert "forward" not in vars(layer)  # PyTorch's own forward, untouched
+    assert seen == [2, 4, 1, 7]
+    with pytest.raises(ValueError, match="kernel 'mkl' is not one of"), force_kernel("mkl"):
+        pass
+
+
+def test_only_linears_whose_product_is_reproduced_are_routed():
     class Quantised(nn.Linear):
         pass
 
-    model = nn.Sequential(nn.Linear(4, 4), Quantised(4, 4), nn.Linear(4, 4).to(torch.bfloat16), nn.ReLU())
+    wrapped = nn.Linear(4, 4)
+    wrapped.forward = lambda x: x  # a wrapper put on the instance (as accelerate's hooks do)
+    model = nn.Sequential(nn.Linear(4, 4), Quantised(4, 4), nn.Linear(4, 4).to(torch.bfloat16), wrapped, nn.ReLU())
     assert cpu_linears(model) == [model[0]]
 
 
 def test_the_block_leaves_the_modules_as_they_were_and_nests():
     layer = nn.Linear(4, 4)
-    with narrow_linears([layer]):
+    rows = frozenset({2})
+    with chosen_kernels([layer], rows):
         assert "forward" in vars(layer)
-        with narrow_linears([layer]):
+        with chosen_kernels([layer], rows):
             pass
         assert "forward" in vars(layer)  # the outer block still uses it
     assert "forward" not in vars(layer)
-    with pytest.raises(RuntimeError), narrow_linears([layer]):
+    with pytest.raises(RuntimeError), chosen_kernels([layer], rows):
         raise RuntimeError("a failing forward")
     assert "forward" not in vars(layer)
+
+
+def test_a_forward_the_user_sets_during_the_block_is_kept():
+    layer = nn.Linear(4, 4)
+    with chosen_kernels([layer], frozenset({2})):
+        layer.forward = own = lambda x: x
+    assert vars(layer)["forward"] is own
 
 
 def test_concurrent_blocks_leave_the_modules_as_they_were():
@@ -56,7 +102,7 @@ def test_concurrent_blocks_leave_the_modules_as_they_were():
 
     def work():
         for _ in range(200):
-            with narrow_linears([layer]):
+            with chosen_kernels([layer], frozenset({3})):
                 if not torch.allclose(layer(x), nn.functional.linear(x, layer.weight, layer.bias), atol=1e-6):
                     errors.append("wrong product")
 
@@ -68,21 +114,114 @@ def test_concurrent_blocks_leave_the_modules_as_they_were():
     assert not errors and "forward" not in vars(layer)
 
 
-def test_generate_leaves_the_users_model_unchanged():
+def test_another_thread_outside_a_block_gets_pytorchs_own_product():
+    layer = nn.Linear(64, 64)
+    x = torch.randn(3, 64)
+    seen, spy = weight_left_rows_seen()
+    outside = []
+    with spy, force_kernel("weight-left"), chosen_kernels([layer], frozenset({3})):
+        thread = threading.Thread(target=lambda: outside.append(layer(x)))
+        thread.start()
+        thread.join()
+        layer(x)
+    assert seen == [3]  # this thread's call only
+    assert torch.equal(outside[0], nn.functional.linear(x, layer.weight, layer.bias))
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_generate_leaves_the_users_model_unchanged(kernel):
     model = tiny_model("llama", 64, 2, seed=0)
-    ids = torch.tensor([[1, 2, 3, 1, 2, 3, 1, 2]])
-    out = hybrid.generate(model, ids, drafter=PromptLookupDrafter(), max_new_tokens=12, do_sample=False)
-    assert torch.equal(out, model.generate(ids, max_new_tokens=12, do_sample=False))
-    assert not any("forward" in vars(m) for m in model.modules())
+    mlp = model.model.layers[0].mlp
+    calls, hooked = [], []
+    mlp.down_proj.forward = own = lambda x: calls.append(x.shape) or nn.Linear.forward(mlp.down_proj, x)
+    handle = mlp.up_proj.register_forward_hook(lambda module, args, out: hooked.append(out.shape))
+    plain = model.generate(IDS, max_new_tokens=12, do_sample=False)
+    calls.clear(), hooked.clear()
+    with force_kernel(kernel):
+        out = hybrid.generate(model, IDS, drafter=PromptLookupDrafter(), max_new_tokens=12, do_sample=False)
+    assert torch.equal(out, plain)
+    assert len(calls) == len(hooked) > 1  # the user's forward and hook ran in every forward
+    assert vars(mlp.down_proj)["forward"] is own and mlp.up_proj._forward_hooks
+    assert not any("forward" in vars(m) for m in model.modules() if m is not mlp.down_proj)
+    handle.remove()
 
 
-def test_verify_costs_prints_both_curves(capsys):
+KERNEL_PROPERTY = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("prop", [greedy_property, batch_property], ids=["greedy", "batch"])
+def test_greedy_properties_hold_under_each_kernel(kernel, prop):
+    with force_kernel(kernel):
+        KERNEL_PROPERTY(given(data=st.data())(prop.hypothesis.inner_test))()
+
+
+def test_a_width_gets_the_faster_kernel_and_pytorchs_within_the_margin():
+    slower = 1 - KERNEL_MARGIN / 2
+    curves = {"torch": {1: 1.0, 2: 2.0, 4: 2.0, 8: 1.0}, "weight-left": {1: 1.2, 2: 1.0, 4: 2.0 * slower, 8: 0.5}}
+    costs, chosen = choose_kernels(curves)
+    assert chosen == {1: "torch", 2: "weight-left", 4: "torch", 8: "weight-left"}
+    assert costs == {1: 1.0, 2: 1.0, 4: 2.0, 8: 0.5}
+    assert all(costs[m] <= curves["torch"][m] for m in costs)  # never more than PyTorch's own forward
+    assert choose_kernels({"torch": {1: 1.0}}) == ({1: 1.0}, {1: "torch"})
+
+
+def test_the_cost_table_exposes_the_kernel_of_every_width():
+    table = VerifyCostModel(
+        {1: 1.0, 2: 1.0, 4: 1.0, 8: 2.0, 16: 3.0}, {2: "weight-left", 4: "weight-left", 16: "weight-left"}
+    )
+    assert [table.kernel(m) for m in range(1, 18)] == [
+        "torch",
+        *["weight-left"] * 3,
+        *["torch"] * 11,
+        "weight-left",
+        "torch",
+    ]
+    assert table.weight_left_rows() == {2, 3, 4, 16}
+    assert VerifyCostModel({1: 1.0, 5: 2.0}).weight_left_rows() == frozenset()  # no choice given: PyTorch's
+
+
+def test_the_choice_is_cached_with_the_cost_table_and_read_without_measuring(tmp_path, monkeypatch):
+    monkeypatch.setenv("HYBRID_CACHE", str(tmp_path))
+    model = tiny_model("llama", 64, 1, seed=0)
+    curves = {"torch": {1: 1.0, 2: 2.0, 3: 2.0}, "weight-left": {1: 1.0, 2: 1.0, 3: 3.0}}
+    monkeypatch.setattr(cost_model, "measure_verify_costs", lambda model: curves)
+    assert weight_left_rows(model) == frozenset()  # nothing cached: PyTorch's kernels, nothing measured
+    measured = VerifyCostModel.for_model(model)
+    assert measured.kernels == {1: "torch", 2: "weight-left", 3: "torch"}
+    monkeypatch.setattr(cost_model, "measure_verify_costs", mock.Mock(side_effect=AssertionError("measured again")))
+    cached = VerifyCostModel.for_model(model)
+    assert cached.kernels == measured.kernels and cached.table == measured.table
+    assert weight_left_rows(model) == {2}
+    (tmp_path / "costs" / f"{cost_model.device_key(model)}.json").write_text('{"1": 0.1}')  # not a table
+    assert VerifyCostModel.cached(model) is None
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3])
+def test_a_plain_step_runs_the_kernel_chosen_for_its_batch_width(batch, tmp_path, monkeypatch):
+    monkeypatch.setenv("HYBRID_CACHE", str(tmp_path))
+    model = tiny_model("llama", 64, 1, seed=0)
+    VerifyCostModel({1: 1.0, 2: 1.0, 3: 2.0}, {2: "weight-left"}).save(model)
+    monkeypatch.setattr(cost_model, "measure_verify_costs", mock.Mock(side_effect=AssertionError("measured")))
+    seen, spy = weight_left_rows_seen()
+    ids = IDS.expand(batch, -1)
+    with spy:
+        out = hybrid.generate(model, ids, drafter=None, max_new_tokens=4, do_sample=False)
+    assert torch.equal(out, model.generate(ids, max_new_tokens=4, do_sample=False))
+    assert set(seen) == ({2} if batch == 2 else set())
+
+
+def test_verify_costs_prints_both_curves_and_each_widths_kernel(capsys, tmp_path, monkeypatch):
     from experiments import verify_costs
 
-    best = verify_costs.main(["--model", "tiny", "--rounds", "1", "--sizes", "1,2,9"])
-    assert set(best) == {"torch", "hybrid"} and all(set(c) == {1, 2, 9} for c in best.values())
-    assert all(0 < s < float("inf") for c in best.values() for s in c.values())
+    monkeypatch.setenv("HYBRID_CACHE", str(tmp_path))
+    monkeypatch.setattr(verify_costs, "PROBE_SIZES", (1, 2, 9))  # a full table at these sizes: it is cached
+    result = verify_costs.main(["--model", "tiny", "--rounds", "1", "--sizes", "1,2,9"])
+    assert set(result) == {*KERNELS, "chosen"} and all(set(c) == {1, 2, 9} for c in result.values())
+    assert all(0 < s < float("inf") for kernel in KERNELS for s in result[kernel].values())
     table = capsys.readouterr().out
-    assert "| 2 |" in table and "hybrid's" in table
+    assert "| 2 |" in table and "weight-left (ms)" in table and "cached" in table
+    assert all(f" {result['chosen'][m]} |" in table for m in (1, 2, 9))
+    assert list(tmp_path.glob("costs/*.json"))
     with pytest.raises(SystemExit):
         verify_costs.main(["--model", "tiny", "--rounds", "0"])

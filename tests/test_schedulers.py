@@ -185,12 +185,15 @@ def test_calibration_file_round_trip_and_mismatch(tmp_path):
 
 def test_verify_cost_measures_a_sliding_window_model():
     # The probe's context (64 tokens) is longer than the window: the crops after each probe must still work.
-    costs = measure_verify_costs(tiny_model("mistral", 40, 1, seed=0, sliding_window=4), sizes=(1, 2, 5), repeats=1)
-    assert set(costs) == {1, 2, 5} and all(0 < t < float("inf") for t in costs.values())
+    curves = measure_verify_costs(tiny_model("mistral", 40, 1, seed=0, sliding_window=4), sizes=(1, 2, 5), repeats=1)
+    assert set(curves) == {"torch", "weight-left"}
+    assert all(
+        set(costs) == {1, 2, 5} and all(0 < t < float("inf") for t in costs.values()) for costs in curves.values()
+    )
 
 
 def test_verify_cost_is_measured_and_rescaled():
-    costs = measure_verify_costs(tiny_model("llama", 64, 1, seed=0), sizes=(1, 5), repeats=1)
+    costs = measure_verify_costs(tiny_model("llama", 64, 1, seed=0), sizes=(1, 5), repeats=1)["torch"]
     assert set(costs) == {1, 5} and all(t > 0 for t in costs.values())
     curve = VerifyCostModel({1: 1.0, 5: 2.0})
     assert curve.cost(3) == pytest.approx(1.5) and curve.cost(9) == pytest.approx(3.0)

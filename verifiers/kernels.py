@@ -1,17 +1,19 @@
-"""The matrix product of a few-token verify on a CPU, at the cost of a one-token step.
+"""The matrix kernel each plain float32 CPU `nn.Linear` of the verifier runs, chosen per number of rows.
 
-A verify feeds 2-8 tokens; `generate` feeds one. For a float32 `nn.Linear` on a CPU, PyTorch computes
-x @ W.T (x: [rows, in]) through MKL, which for 2-8 rows takes about twice as long as for one: on the 2-core
-machine this project is measured on, SmolLM2-135M's forward costs 69 ms for 1 token, 120 ms for 2 and 116 ms
-for 4. The same product computed as (W @ x.T).T streams the weights once, as the one-row kernel does: 58 ms
-for 2 tokens, 63 ms for 4, 85 ms for 8 (`python -m experiments.verify_costs` prints both curves). Speculation
-lives on that difference, so `narrow_linears` routes the verifier's few-row products through it while a
-verify runs.
+A forward of m fed tokens over b rows multiplies every weight by a [b * m, in] input. PyTorch computes that as
+x @ W.T; computed as (W @ x.T).T ("weight-left") the same product streams the weights once, as the one-row
+kernel does. Which is faster depends on the CPU and its BLAS: on one 2-core Xeon the weight-left form halves a
+verify of 2-8 rows, on another it doubles it. So nothing here decides: `schedulers.cost_model` times a forward
+of every width with each kernel on the user's machine, once, and caches the choice with the cost table; a
+`Verifier` runs the row counts where weight-left was measured faster through it (`chosen_kernels`) and leaves
+every other product to PyTorch. `force_kernel` pins one kernel for every row count (the cost probe measures each
+candidate through it, and tests run the losslessness properties under each).
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import threading
 import types
 import weakref
@@ -20,49 +22,96 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Rows (tokens x batch rows) for which (W @ x.T).T beats x @ W.T on CPUs; past 8 the two cost about the same.
-NARROW_ROWS = range(2, 9)
+KERNELS = ("torch", "weight-left")  # PyTorch's own x @ W.T, and (W @ x.T).T
+
+# What the linear forwards installed by `chosen_kernels` compute in this thread; outside a block (another thread
+# calling the same model, e.g. the user's own `model.generate`) they compute PyTorch's product.
+_WEIGHT_LEFT_ROWS: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
+    "weight_left_rows", default=frozenset()
+)
+_FORCED: contextvars.ContextVar[str | None] = contextvars.ContextVar("forced_kernel", default=None)
 
 
-def narrow_linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """`module(x)`, with the weight as the left operand when x has NARROW_ROWS rows."""
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if rows not in NARROW_ROWS:
-        return F.linear(x, module.weight, module.bias)
+def weight_left_linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """`module(x)` computed as (W @ x.T).T."""
+    rows = _rows(x)
     out = torch.mm(module.weight, x.reshape(rows, x.shape[-1]).T).T.contiguous()
     if module.bias is not None:
         out += module.bias
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
+def _chosen_linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    kernel = _FORCED.get()
+    if kernel is None:
+        kernel = "weight-left" if _rows(x) in _WEIGHT_LEFT_ROWS.get() else "torch"
+    if kernel == "weight-left" and x.shape[-1]:
+        return weight_left_linear(module, x)
+    return F.linear(x, module.weight, module.bias)
+
+
+def _rows(x: torch.Tensor) -> int:
+    return x.numel() // x.shape[-1] if x.shape[-1] else 0
+
+
 def cpu_linears(model: nn.Module) -> list[nn.Linear]:
-    """The model's plain float32 `nn.Linear`s on a CPU (subclasses, e.g. quantised ones, keep their own kernels)."""
+    """The model's linears whose product a kernel choice can reproduce exactly: plain float32 `nn.Linear`s on a
+    CPU. Subclasses (quantised or parametrised ones) and modules carrying their own `forward` (a wrapper put on
+    the instance, as accelerate's offloading hooks do) keep what they compute. Forward hooks run either way."""
     return [
         m
         for m in model.modules()
-        if type(m) is nn.Linear and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32
+        if type(m) is nn.Linear
+        and "forward" not in vars(m)
+        and m.weight.device.type == "cpu"
+        and m.weight.dtype == torch.float32
     ]
 
 
-# module -> how many `narrow_linears` blocks (threads) use it now; the last one out restores `nn.Linear.forward`.
+@contextlib.contextmanager
+def force_kernel(kernel: str):
+    """Within the block, every `chosen_kernels` block of this thread runs `kernel` at every row count."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel {kernel!r} is not one of {KERNELS}")
+    token = _FORCED.set(kernel)
+    try:
+        yield
+    finally:
+        _FORCED.reset(token)
+
+
+# module -> [blocks (threads) using it now, the forward they installed]; the last one out removes it.
 _USERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
-def narrow_linears(linears: list[nn.Linear]):
-    """Within the block, `linears` compute through `narrow_linear`; afterwards they are as they were (the
-    user's model is never left changed, and concurrent blocks on one model nest)."""
+def chosen_kernels(linears: list[nn.Linear], weight_left_rows: frozenset[int]):
+    """Within the block, `linears` compute products of `weight_left_rows` rows as (W @ x.T).T (all of them under
+    `force_kernel("weight-left")`) and the rest through PyTorch. Afterwards every module is as it was: a module that
+    has gained its own `forward` meanwhile is left alone, and concurrent blocks on one model nest."""
+    forced = _FORCED.get()
+    if forced == "torch" or (forced is None and not weight_left_rows):
+        yield  # nothing to change: PyTorch's own forward
+        return
+    token = _WEIGHT_LEFT_ROWS.set(weight_left_rows)
     with _LOCK:
-        for module in linears:
-            if not _USERS.get(module):
-                module.forward = types.MethodType(narrow_linear, module)
-            _USERS[module] = _USERS.get(module, 0) + 1
+        used = [module for module in linears if module in _USERS or "forward" not in vars(module)]
+        for module in used:
+            if module not in _USERS:
+                installed = types.MethodType(_chosen_linear, module)
+                module.forward = installed
+                _USERS[module] = [0, installed]
+            _USERS[module][0] += 1
     try:
         yield
     finally:
+        _WEIGHT_LEFT_ROWS.reset(token)
         with _LOCK:
-            for module in linears:
-                _USERS[module] -= 1
-                if not _USERS[module]:
-                    del module.forward
+            for module in used:
+                entry = _USERS[module]
+                entry[0] -= 1
+                if not entry[0]:
+                    del _USERS[module]
+                    if vars(module).get("forward") is entry[1]:
+                        del module.forward

@@ -21,7 +21,7 @@ from verifiers.cache import (
     row_mask_problem,
     tree_layout,
 )
-from verifiers.kernels import cpu_linears, narrow_linears
+from verifiers.kernels import chosen_kernels, cpu_linears
 
 STATIC_CAPACITY_STEP = 256  # static caches are sized in multiples of this many slots
 
@@ -56,6 +56,9 @@ class Verifier:
             eager), as `model.generate` compiles a static cache's decoding step; drafters compile their own
             static-shape forward with it through `compiled()`. The prefill always runs eagerly: its shape is
             the prompt's, so compiling it would re-trace per prompt.
+        weight_left_rows: the row counts (fed tokens x rows) whose plain float32 CPU linear products run as
+            (W @ x.T).T, where the machine's cost table measured that faster (`verifiers.kernels`,
+            `schedulers.cost_model.weight_left_rows`); every other product runs PyTorch's own kernel.
     """
 
     def __init__(
@@ -66,6 +69,7 @@ class Verifier:
         static: bool = False,
         max_width: int = 1,
         compile_config=None,
+        weight_left_rows: frozenset[int] = frozenset(),
     ):
         check_causal_lm(model, role)
         text = model.config.get_text_config()
@@ -109,9 +113,10 @@ class Verifier:
         self.max_width = max_width
         self.compile_config = compile_config
         self.step_call = model if compile_config is None else model.get_compiled_call(compile_config)
-        # Eager CPU verifies run their few-row products at a one-token step's cost (`verifiers.kernels`); a
-        # compiled step keeps the kernels it was traced with.
-        self.narrow_linears = cpu_linears(model) if compile_config is None else []
+        # An eager forward runs each linear's product through the kernel measured fastest at its row count
+        # (`verifiers.kernels`); a compiled step keeps the kernels it was traced with.
+        self.linears = cpu_linears(model) if compile_config is None else []
+        self.weight_left_rows = frozenset(weight_left_rows)
         self.cache: SharedCache | None = None
 
     def compiled(self, module):
@@ -268,7 +273,7 @@ class Verifier:
         extra = {"logits_to_keep": logits_to_keep} if self._supports_logits_to_keep else {}
         if compiled:  # the last step's outputs are consumed: CUDA graphs may overwrite them
             torch.compiler.cudagraph_mark_step_begin()
-        with narrow_linears(self.narrow_linears):
+        with chosen_kernels(self.linears, self.weight_left_rows):
             out = call(
                 input_ids=input_ids,
                 attention_mask=mask,
