@@ -3,7 +3,8 @@
 The block-diffusion drafter is `block_diffusion.py`, and `dflash.py` runs drafters in z-lab's published DFlash
 format; their training is the `training` package, which no drafter imports. `ngram_store.py` is the table of
 what the verifier said next in its training answers, which continues the context match of `PromptLookupDrafter`,
-given one. `composite.py` chains drafters: the default is a lookup whose draft the block drafter fills in.
+given one; `online_store.py` keeps what the verifier said earlier in the process, for the same lookup.
+`composite.py` chains drafters: the default is a lookup whose draft the block drafter fills in.
 """
 
 from drafters.base import Draft, DraftContext, Drafter, DraftError

@@ -1,5 +1,6 @@
-"""Prompt lookup: propose what followed the last occurrence of the current n-gram (no model at all), continued by
-an n-gram store of the verifier's own answers if given one."""
+"""Prompt lookup: propose what followed the last occurrence of the current n-gram (no model at all), or what followed
+it in the verifier's earlier outputs (an online store), continued by an n-gram store of the verifier's own answers
+if given one."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from drafters.base import Draft, DraftContext, Drafter
 from drafters.block_diffusion import verifier_fingerprint
 from drafters.ngram_store import NgramStore, check_store_fits
+from drafters.online_store import OnlineStore
 
 
 class PromptLookupDrafter(Drafter):
@@ -23,6 +25,12 @@ class PromptLookupDrafter(Drafter):
     n >= `store_min_n`), or stands in where there is none; with `prefer_store`, also where the match is a
     single token and the store's first share is at least that (`lookup_draft`). `min_ngram=0` looks for
     no match: the store alone. Given the `verifier` model, the store is checked to hold its answers.
+
+    With an `online_store` (`drafters.online_store`), every sequence this drafter drafts for is recorded there as
+    the engine commits it (at `reset` and each `propose`), and a match in those earlier outputs longer than the
+    context's stands in for it (a repeated request drafts its earlier answer). The online store is checked against
+    the verifier of every call. One drafter drafts one call at a time; concurrent calls each take a `fork()` (which
+    shares the online store).
     """
 
     def __init__(
@@ -34,13 +42,18 @@ class PromptLookupDrafter(Drafter):
         store_min_n: int = 2,
         prefer_store: float | None = None,
         verifier=None,
+        online_store: OnlineStore | None = None,
     ):
         if not 0 <= min_ngram <= max_ngram or max_ngram < 1:
             raise ValueError(
                 f"need 0 <= min_ngram <= max_ngram and max_ngram >= 1, got min_ngram={min_ngram}, max_ngram={max_ngram}"
             )
-        if min_ngram == 0 and ngram_store is None:
-            raise ValueError("min_ngram=0 (no context match) drafts from the store alone: it needs an ngram_store")
+        if min_ngram == 0 and ngram_store is None and online_store is None:
+            raise ValueError(
+                "min_ngram=0 (no context match) drafts from a store alone: it needs an ngram_store or an online_store"
+            )
+        if online_store is not None and not isinstance(online_store, OnlineStore):
+            raise TypeError(f"online_store must be a drafters.online_store.OnlineStore or None, got {online_store!r}")
         if max_draft_len < 1:
             raise ValueError(f"max_draft_len must be >= 1, got {max_draft_len}")
         check_prefer_store(prefer_store, ngram_store)
@@ -48,17 +61,52 @@ class PromptLookupDrafter(Drafter):
         self.ngram_store, self.store_min_n = NgramStore.load(ngram_store, store_min_n), store_min_n
         if self.ngram_store is not None and verifier is not None:
             check_store_fits(self.ngram_store, verifier_fingerprint(verifier))
+        self.online_store = online_store
+        if online_store is not None and verifier is not None:
+            online_store.bind(verifier)
         self.prefer_store = prefer_store
+        self._sequence, self._recorded, self._answer_start = None, 0, 0  # this call's sequence in the online store
         # Schedulers keep acceptance statistics per drafter: other settings are another drafter.
         self.fingerprint = f"m{min_ngram}-{max_ngram}"
         if self.ngram_store is not None:  # the engine checks this vocabulary against the verifier's
             self.vocab_size = self.ngram_store.vocab_size
             self.fingerprint += f":ng{self.ngram_store.digest()}:n{store_min_n}:p{prefer_store}"
+        if online_store is not None:  # its contents grow, its kind does not: one drafter for the scheduler
+            self.fingerprint += f":online{online_store.max_match}"
+
+    def reset(self, ctx: DraftContext) -> None:
+        if self.online_store is None:
+            return
+        if ctx.verifier is not None:
+            self.online_store.bind(ctx.verifier.model)
+        # The engine resets after the prefill: the last token is the verifier's first, the ones before it the prompt.
+        self._sequence = self.online_store.new_sequence()
+        self._recorded = self._answer_start = ctx.input_ids.shape[1] - 1
+        self._record(ctx)
+
+    def _record(self, ctx: DraftContext) -> list[int]:
+        """Give the online store the tokens the engine committed since the last call (all of them the verifier's);
+        returns the committed sequence."""
+        ids = ctx.input_ids[0].tolist()
+        if self._sequence is not None:
+            self.online_store.add(self._sequence, ids, self._recorded, self._answer_start)
+            self._recorded = len(ids)
+        return ids
 
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
         ids = ctx.input_ids[0]
+        online = None
+        if self.online_store is not None:
+            online = self.online_store.lookup(self._record(ctx), max_tokens)
         tokens, confidence = lookup_draft(
-            ids, self.min_ngram, self.max_ngram, max_tokens, self.ngram_store, self.store_min_n, self.prefer_store
+            ids,
+            self.min_ngram,
+            self.max_ngram,
+            max_tokens,
+            self.ngram_store,
+            self.store_min_n,
+            self.prefer_store,
+            online,
         )
         return Draft(tokens, confidence=confidence)
 
@@ -71,15 +119,19 @@ def lookup_draft(
     store: NgramStore | None = None,
     store_min_n: int = 2,
     prefer_store: float | None = None,
+    online: tuple[list[int], int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(up to `max_tokens` tokens to follow `ids` [n], their confidences) without a model: the longest suffix
-    match in `ids` (min_ngram = 0: none), then `store`'s continuation of ids + that match.
+    match in `ids` (min_ngram = 0: none), or `online`, an online store's (tokens, match length) for `ids`, where that
+    match is longer; then `store`'s continuation of ids + those tokens.
 
     A match of n tokens has confidence n / (n + 1). With `prefer_store`, a match of a single token gives way to the
     store's own continuation when the store's first token has at least that share: on held-out answers a one-token
     match's first token is accepted about a quarter of the time, a confident store n-gram's far more often.
     """
     tokens, n = lookup_continuation(ids, min_ngram, max_ngram, max_tokens) if min_ngram else (ids.new_empty(0), 0)
+    if online is not None and online[1] > n:
+        tokens, n = ids.new_tensor(online[0]), online[1]
     if store is None:
         return tokens, torch.full(tokens.shape, n / (n + 1))
     recent = ids[-store.max_n :].tolist()

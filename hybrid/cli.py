@@ -1,10 +1,12 @@
 """`python -m hybrid COMMAND`: answer a prompt, export a served model folder, or serve one.
 
-`generate "PROMPT"` streams an answer from the embedded default, then decodes the same prompt with plain
+`generate "PROMPT"` streams an answer from the embedded default (or `--verifier DIR`), then decodes the same prompt with plain
 `model.generate` in the same process, both timed end to end around their `generate` call (hybrid.stats.timed),
 so the printed speed-up compares like with like, and checks the two outputs for equality (sampled: under the
 same seed). `export-served OUT` writes a model folder whose `generate` is hybrid's
-(`hybrid.export`); `serve` runs `transformers serve` on one (`hybrid.serving`).
+(`hybrid.export`); `serve` runs `transformers serve` on one (`hybrid.serving`). A `--drafter DIR` is a trained drafter
+folder, put behind lookup and the online store as `hybrid.drafter_for` puts it, after checking it was trained for the
+verifier.
 """
 
 from __future__ import annotations
@@ -12,13 +14,14 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 import torch
 from transformers import TextStreamer
 
 import hybrid
 from drafters import PromptLookupDrafter
-from hybrid.custom_generate import DRAFTER_NAMES
+from hybrid.custom_generate import DRAFTER_NAMES, build_drafter
 from hybrid.stats import timed
 from verifiers.prompts import encode_prompt
 
@@ -29,12 +32,14 @@ def main(argv: list[str] | None = None) -> int:
     gen = sub.add_parser("generate", help="answer a prompt with the default verifier and drafter")
     gen.add_argument("prompt", help="the user message (the chat template is applied)")
     gen.add_argument("--max-new-tokens", type=int, default=256)
+    gen.add_argument("--verifier", default=None, help=VERIFIER_HELP)
     gen.add_argument(
         "--drafter",
-        choices=sorted(DRAFTER_NAMES),
+        type=drafter_choice,
         default="default",
-        help="default: the shipped block-diffusion drafter with n-gram lookup and the n-gram store; "
-        "block: the model without either; none: plain decoding through the engine",
+        help="default: the shipped block-diffusion drafter with n-gram lookup and the n-gram store (another "
+        "--verifier: hybrid.drafter_for's lookup and online store); block: the model without either; none: plain "
+        f"decoding through the engine; {DRAFTER_FOLDER_HELP}",
     )
     gen.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
     gen.add_argument("--temperature", type=float, default=None)
@@ -59,12 +64,13 @@ def main(argv: list[str] | None = None) -> int:
         help="write a model folder whose generate is hybrid's (for custom_generate, from_pretrained, transformers serve)",
     )
     export.add_argument("out", help="the folder to write")
-    export.add_argument("--verifier", default=None, help="a model folder (save_pretrained); default: the embedded one")
+    export.add_argument("--verifier", default=None, help=VERIFIER_HELP)
     export.add_argument(
         "--drafter",
+        type=drafter_choice,
         default="default",
-        help=f"one of {', '.join(DRAFTER_NAMES)}, or a folder: a block-diffusion checkpoint, a DFlash drafter or a causal LM "
-        "sharing the verifier's tokenizer",
+        help=f"one of {', '.join(DRAFTER_NAMES)} (default: hybrid.drafter_for's, with an online store), or a folder: "
+        f"{DRAFTER_FOLDER_HELP}, or a causal LM sharing the verifier's tokenizer",
     )
     serve = sub.add_parser(
         "serve",
@@ -72,11 +78,14 @@ def main(argv: list[str] | None = None) -> int:
         "transformers serve",
     )
     serve.add_argument("model", nargs="?", default=None, help="a folder from export-served (default: the embedded one)")
+    serve.add_argument("--verifier", default=None, help=VERIFIER_HELP + " (exported for serving on each start)")
     serve.add_argument(
         "--drafter",
-        choices=sorted(DRAFTER_NAMES),
+        type=drafter_choice,
         default=None,
-        help="the embedded verifier's drafter (default: default); a folder's drafter is fixed by export-served",
+        help=f"the verifier's drafter: one of {', '.join(DRAFTER_NAMES)} (default: default, which keeps an online "
+        f"store of the served model's answers across requests) or {DRAFTER_FOLDER_HELP}; a served folder's drafter "
+        "is fixed by export-served",
     )
     serve.add_argument("--device", default="cpu", help="where the model runs (cpu, cuda, cuda:1, auto)")
     serve.add_argument("--host", default="localhost")
@@ -94,25 +103,48 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         from hybrid.serving import serve, served_default
 
-        if args.model is not None and args.drafter is not None:
+        if args.model is not None and (args.drafter is not None or args.verifier is not None):
             parser.error(
-                "--drafter chooses the embedded verifier's drafter; a served folder's is fixed by export-served"
+                "--verifier and --drafter choose what to export and serve; a served folder's are fixed by export-served"
             )
-        folder = args.model or served_default(args.drafter or "default")
+        folder = args.model or served_default(args.drafter or "default", args.verifier)
         serve(folder, args.device, args.host, args.port, passed_on)
         return 0
     return _generate(args)
 
 
+VERIFIER_HELP = "a model folder (save_pretrained, with its tokenizer); default: the embedded one"
+DRAFTER_FOLDER_HELP = (
+    "a folder of a block-diffusion or DFlash drafter trained for the verifier (behind lookup and the online store, "
+    "as hybrid.drafter_for puts them)"
+)
+
+
+def drafter_choice(value: str) -> str:
+    """A --drafter value: a name of DRAFTER_NAMES or an existing folder (resolved: the glue may run anywhere)."""
+    if value in DRAFTER_NAMES:
+        return value
+    if Path(value).is_dir():
+        return str(Path(value).resolve())
+    raise argparse.ArgumentTypeError(f"{value!r} is neither one of {', '.join(DRAFTER_NAMES)} nor a drafter folder")
+
+
 def _generate(args) -> int:
-    model, tokenizer, default_drafter = hybrid.load_default(args.device, device_map=args.device_map)
+    if args.verifier is None:
+        model, tokenizer, default_drafter = hybrid.load_default(args.device, device_map=args.device_map)
+    else:
+        from hybrid.export import load_verifier_folder
+
+        model, tokenizer = load_verifier_folder(args.verifier, args.device, args.device_map)
+        default_drafter = None
     drafters = {
-        "default": lambda: default_drafter,
+        "default": lambda: default_drafter or build_drafter("default", model, tokenizer),
         "prompt-lookup": PromptLookupDrafter,
         "none": lambda: None,
-        "block": lambda: default_drafter.sources[-1],
-    }  # the default's block model, without its lookup
-    drafter = drafters[args.drafter]()
+        # The default's block model, without its lookup.
+        "block": lambda: default_drafter.sources[-1] if default_drafter else build_drafter("block", model, tokenizer),
+    }
+    drafter = drafters[args.drafter]() if args.drafter in drafters else build_drafter(args.drafter, model, tokenizer)
     input_ids = encode_prompt(tokenizer, args.prompt).to(model.device)
     settings = {"max_new_tokens": args.max_new_tokens, "do_sample": args.do_sample}
     settings.update({k: v for k, v in (("temperature", args.temperature), ("top_p", args.top_p)) if v is not None})

@@ -39,8 +39,6 @@ def export_served(out: str | Path, verifier: str | Path | None = None, drafter: 
     Instruct) and `drafter` (a name of `hybrid.custom_generate.DRAFTER_NAMES` or a drafter folder). The drafter is
     built once here against the verifier, so a mismatch (another vocabulary, a drafter trained for another
     verifier) fails now rather than at the first request."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from hybrid.custom_generate import build_drafter
     from verifiers.embedded import MODEL_NAME, cache_dir, load_verifier
 
@@ -50,16 +48,7 @@ def export_served(out: str | Path, verifier: str | Path | None = None, drafter: 
         source = cache_dir() / MODEL_NAME
     else:
         source = Path(verifier).resolve()
-        if not (source / "config.json").is_file():
-            raise ValueError(f"--verifier {verifier}: no config.json there; pass a folder written by save_pretrained")
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(source)
-        except (OSError, ValueError) as e:
-            raise ValueError(
-                f"--verifier {verifier} has no tokenizer transformers can load ({e}): a served model needs one; "
-                "save it into the folder with tokenizer.save_pretrained"
-            ) from None
-        model = AutoModelForCausalLM.from_pretrained(source).eval()
+        model, tokenizer = load_verifier_folder(verifier)
     if Path(drafter).is_dir():
         drafter = str(Path(drafter).resolve())  # the glue may be loaded from anywhere
     build_drafter(drafter, model, tokenizer)
@@ -78,6 +67,25 @@ def export_served(out: str | Path, verifier: str | Path | None = None, drafter: 
     (out / GLUE).parent.mkdir(exist_ok=True)
     (out / GLUE).write_text(glue_source(drafter))
     return out
+
+
+def load_verifier_folder(verifier: str | Path, device: str = "cpu", device_map=None):
+    """(model, tokenizer) of the model folder `verifier` (save_pretrained, with its tokenizer), for --verifier."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = Path(verifier).resolve()
+    if not (source / "config.json").is_file():
+        raise ValueError(f"--verifier {verifier}: no config.json there; pass a folder written by save_pretrained")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError) as e:
+        raise ValueError(
+            f"--verifier {verifier} has no tokenizer transformers can load ({e}): a served model needs one; "
+            "save it into the folder with tokenizer.save_pretrained"
+        ) from None
+    if device_map is not None:
+        return AutoModelForCausalLM.from_pretrained(source, device_map=device_map).eval(), tokenizer
+    return AutoModelForCausalLM.from_pretrained(source).to(device).eval(), tokenizer
 
 
 def glue_source(drafter: str) -> str:

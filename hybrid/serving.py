@@ -17,6 +17,8 @@ import numbers
 import sys
 from pathlib import Path
 
+from hybrid.custom_generate import DRAFTER_NAMES
+
 SERVING_EXTRA = 'pip install -e ".[serving]" (transformers[serving]: fastapi, uvicorn, openai)'
 # transformers serve options that would take requests away from model.generate, i.e. from hybrid.
 BYPASSING_OPTIONS = ("--continuous-batching",)
@@ -172,17 +174,25 @@ def _is_number(value) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
-def served_default(drafter: str) -> Path:
-    """The served folder of the embedded default verifier with `drafter`, exported into the cache on first use."""
+def served_default(drafter: str, verifier: str | Path | None = None) -> Path:
+    """The served folder of `verifier` (None: the embedded default verifier) with `drafter` (a name or a drafter
+    folder). The embedded verifier's is exported into the cache on first use; a verifier folder's on every start (it
+    may have changed since)."""
+    import hashlib
+
     from hybrid.export import GLUE, export_served, glue_source
     from verifiers.embedded import MODEL_NAME, cache_dir
 
-    out = cache_dir() / "served" / f"{MODEL_NAME}-{drafter}"
-    glue = out / GLUE
-    if not (glue.is_file() and glue.read_text() == glue_source(drafter) and (out / "config.json").is_file()):
-        print(f"hybrid: exporting the default verifier with drafter {drafter!r} to {out} (once)", file=sys.stderr)
-        export_served(out, drafter=drafter)
-    return out
+    if verifier is None and drafter in DRAFTER_NAMES:
+        out = cache_dir() / "served" / f"{MODEL_NAME}-{drafter}"
+        glue = out / GLUE
+        if glue.is_file() and glue.read_text() == glue_source(drafter) and (out / "config.json").is_file():
+            return out
+    else:
+        key = hashlib.sha256(f"{verifier and Path(verifier).resolve()}|{drafter}".encode()).hexdigest()[:12]
+        out = cache_dir() / "served" / f"{Path(verifier).name if verifier else MODEL_NAME}-{key}"
+    print(f"hybrid: exporting {verifier or 'the default verifier'} with drafter {drafter!r} to {out}", file=sys.stderr)
+    return export_served(out, verifier, drafter)
 
 
 def serve(folder: str | Path, device: str, host: str, port: int, transformers_args: list[str]) -> None:

@@ -63,6 +63,9 @@ def generate(*args, model=None, drafter: str | Drafter | None = "default", **kwa
     label = "no" if drafter in (None, "none") else drafter if isinstance(drafter, str) else type(drafter).__name__
     if isinstance(drafter, str):
         drafter = cached_drafter(model, drafter)
+        # Each call drafts with its own copy (a server answers requests on several threads); the copies share the
+        # weights and the online store, which is how a request learns from the ones before it.
+        drafter = drafter.fork() if drafter is not None else None
     return_stats = kwargs.pop("return_stats", False)
     output, stats = hybrid.generate(model, drafter=drafter, return_stats=True, **kwargs)
     logger.info("%s drafter: %s", label, stats.summary())
@@ -79,29 +82,31 @@ def cached_drafter(model, name: str) -> Drafter | None:
 
 
 def build_drafter(name: str, model, tokenizer=None) -> Drafter | None:
-    """A drafter for the verifier `model` by name: "default" (the shipped drafter of the embedded default verifier:
-    context lookup, n-gram store, block-diffusion model), "block" (that block model alone), "prompt-lookup", "none"
-    (None); or a folder: a block-diffusion checkpoint (drafter_config.json), a DFlash drafter (config.json with
-    dflash_config) or a causal LM sharing the verifier's tokenizer (config.json), drafting autoregressively."""
+    """A drafter for the verifier `model` by name: "default" (`hybrid.drafter_for(model)`: context lookup and an online
+    store of the model's outputs, kept across its requests; for the embedded default verifier also the shipped n-gram
+    store and block-diffusion model), "block" (the shipped block model alone), "prompt-lookup", "none" (None); or a
+    folder: a block-diffusion checkpoint (drafter_config.json) or a DFlash drafter (config.json with dflash_config),
+    behind lookup and the online store as `hybrid.drafter_for(model, folder)` puts them, or a causal LM sharing the
+    verifier's tokenizer (config.json), drafting autoregressively."""
     from drafters import BlockDiffusionDrafter, ModelDrafter, PromptLookupDrafter
-    from hybrid.default import DRAFTER_DIR, default_drafter
+    from hybrid.default import DRAFTER_DIR
+    from hybrid.drafter_choice import drafter_for
 
     if name == "none":
         return None
     if name == "prompt-lookup":
         return PromptLookupDrafter()
     if name == "default":
-        return default_drafter(model, tokenizer)
+        return drafter_for(model, tokenizer=tokenizer)
     if name == "block":
         return BlockDiffusionDrafter.from_pretrained(DRAFTER_DIR, model, tokenizer=tokenizer)
     path = Path(name)
-    if (path / "drafter_config.json").is_file():
-        return BlockDiffusionDrafter.from_pretrained(path, model, tokenizer=tokenizer)
-    if (path / "config.json").is_file() and "dflash_config" in json.loads((path / "config.json").read_text()):
-        from drafters import DFlashDrafter
-
-        return DFlashDrafter.from_pretrained(path, model, tokenizer=tokenizer)
-    if (path / "config.json").is_file():
+    config = path / "config.json"
+    if (path / "drafter_config.json").is_file() or (
+        config.is_file() and "dflash_config" in json.loads(config.read_text())
+    ):
+        return drafter_for(model, path, tokenizer)
+    if config.is_file():
         from transformers import AutoModelForCausalLM
 
         small = AutoModelForCausalLM.from_pretrained(path, dtype=model.dtype).to(model.device).eval()
