@@ -25,6 +25,9 @@ from schedulers.prior import PRIOR_FILE, write_prior
 def learn_prior(model, drafter, prompts: list[torch.Tensor], max_new_tokens: int, costs=None) -> CostAwareScheduler:
     """A scheduler that started uninformed and decoded each of `prompts` ([1, n] ids) greedily with `drafter`."""
     scheduler = CostAwareScheduler(costs=costs, prior=False)
+    # Every step drafts with every stage and counts in a plain mean: the prior is what each stage adds over all the
+    # prompts, not over the last steps, nor only where this machine's costs made the scheduler run them.
+    scheduler.STAGE_EXPLORE, scheduler.MOVING = 1, 0.0
     for ids in prompts:
         hybrid.generate(model, ids, drafter=drafter, scheduler=scheduler, max_new_tokens=max_new_tokens)
     return scheduler

@@ -254,12 +254,16 @@ class CostAwareScheduler(_Calibrated):
     def _observe_stages(self, drafts: list[Draft], accepted: list[list[int]], draft_seconds: float) -> None:
         """Fold one step into T_n and W_n for every n up to the stages that ran, and into D of those stages."""
         if draft_seconds > 0:  # a step with no room left to draft says nothing of what drafting costs
-            _fold(self._draft_cost[self._stages], draft_seconds)
+            _fold(self._draft_cost[self._stages], draft_seconds, moving=self.MOVING)
+        if self._stages < self.num_stages:
+            # Only a step that ran every stage compares them on the same text: folding the steps that ran fewer into
+            # their T_n would weigh T_n by the stretches where fewer were chosen (long lookup matches), not by all.
+            return
         stages = [draft.stage_list() for draft in drafts]
         for n in range(1, self._stages + 1):
             tokens = sum(sum(stage[node] < n for node in kept) for stage, kept in zip(stages, accepted)) / len(drafts)
             width = 1 + max(sum(s < n for s in stage) for stage in stages)
-            _fold(self._stage_gain[n], tokens, width)
+            _fold(self._stage_gain[n], tokens, width, moving=self.MOVING)
 
     def _observe_steps(self, tokens: float, seconds: float) -> None:
         """Fold one step's emitted tokens per second into the statistics of the passes it used."""
@@ -271,9 +275,10 @@ class CostAwareScheduler(_Calibrated):
         stats[1] += weight * (tokens / seconds - stats[1])
 
 
-def _fold(stats: list, *values: float) -> None:
-    """stats = [steps, mean, ...]: one more step's values, in a mean for the first 1 / MOVING steps, then a moving one."""
+def _fold(stats: list, *values: float, moving: float) -> None:
+    """stats = [steps, mean, ...]: one more step's values, in a mean for the first 1 / moving steps, then a moving one
+    (moving = 0: a plain mean)."""
     stats[0] += 1
-    weight = max(1 / stats[0], CostAwareScheduler.MOVING)
+    weight = max(1 / stats[0], moving)
     for i, value in enumerate(values, start=1):
         stats[i] += weight * (value - stats[i])
