@@ -137,12 +137,14 @@ class DraftContext:
 
     input_ids:    [1, n] the committed sequence as the verifier attends to it (the prompt's padding and
                   masked tokens left out, so position p is input_ids[0, p]); the last token is the one
-                  the verifier just chose, whose successors are to be drafted.
+                  the verifier just chose, whose successors are to be drafted. A copy, new each step.
     do_sample:    whether to sample the draft and report its probs: only under the rejection rule
                   (`acceptance="rejection"`). Under the default rule a drafter proposes its best guesses,
                   since the verifier keeps a token iff it equals its own draw.
-    processors:   the very logits processors/warpers the verifier's scores go through.
-    generator:    the random generator to sample with (None: torch's global one, forked by the engine).
+    processors:   the logits processors/warpers the verifier's scores go through, as this drafter's own copy
+                  (calling or changing them leaves the verifier's untouched).
+    generator:    the random generator to sample with: under the rejection rule one of this row's own, seeded
+                  from the caller's RNG; else None (torch's global RNG, forked by the engine around each draft).
     verifier:     the `verifiers.Verifier` whose cache holds this row (None: no verifier, so no states).
                   A drafter reads it only through the methods below.
     row:          this sequence's row in the verifier's batch.
@@ -361,6 +363,12 @@ def check_draft(draft: Draft, max_tokens: int, vocab_size: int, drafter_name: st
             shape = tuple(confidence.shape) if isinstance(confidence, torch.Tensor) else type(confidence).__name__
             raise DraftError(f"{where} returned confidence {shape}; expected ({k},) or None")
         confidence = confidence.float()
+        if k and not bool(torch.isfinite(confidence).all()):
+            node = int((~torch.isfinite(confidence)).nonzero()[0])
+            raise DraftError(
+                f"{where} returned confidence {float(confidence[node])} for node {node}: confidences are finite "
+                "beliefs in [0, 1] (or confidence=None)"
+            )
     stage = draft.stage
     if stage is not None:
         if not isinstance(stage, torch.Tensor) or tuple(stage.shape) != (k,) or stage.is_floating_point():
@@ -374,8 +382,13 @@ def check_draft(draft: Draft, max_tokens: int, vocab_size: int, drafter_name: st
         shape = tuple(probs.shape) if isinstance(probs, torch.Tensor) else type(probs).__name__
         raise DraftError(f"{where} returned probs {shape}; expected ({k}, {vocab_size}) or None")
     probs = probs.float()
-    if k and (not bool(torch.isfinite(probs).all()) or bool((probs < 0).any())):
-        raise DraftError(f"{where} returned probs with negative or non-finite entries")
+    bad = ~torch.isfinite(probs) | (probs < 0)
+    if k and bool(bad.any()):
+        node, token = (int(i) for i in bad.nonzero()[0])
+        raise DraftError(
+            f"{where} returned probs[{node}, {token}] = {float(probs[node, token])}: each row of probs is a "
+            "distribution (finite, non-negative entries summing to 1)"
+        )
     if k and bool(((probs.sum(-1) - 1).abs() > 1e-3).any()):
         raise DraftError(f"{where} returned probs whose rows do not sum to 1")
     if k and bool((probs.gather(1, tokens.long()[:, None]) <= 0).any()):

@@ -12,6 +12,7 @@ it would alone; rows that finish leave the batch.
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 from dataclasses import dataclass
 
@@ -37,10 +38,13 @@ class DecodeResult:
 class _Row:
     """One sequence: its growing ids and everything `generate` records for each emitted token."""
 
-    def __init__(self, input_ids, prompt_tokens, processors, stopping_criteria, streamer, keep_scores, keep_logits):
+    def __init__(self, input_ids, mask, processors, stopping_criteria, streamer, keep_scores, keep_logits):
         self.ids = input_ids  # [1, n], padding included, as `generate` returns it
         self.prompt_len = input_ids.shape[1]
-        self.prompt_tokens = prompt_tokens  # [n'] the prompt's unmasked tokens: what the cache holds
+        self.mask = mask  # [n] the prompt's attention mask (None: every token counts)
+        # [n'] the prompt's unmasked tokens: what the cache holds (`generate` numbers them 0, 1, ... by the mask's
+        # cumsum, as their slots are; its sliding windows also count the masked ones, see `SharedCache.mark_masked`)
+        self.prompt_tokens = input_ids[0] if mask is None else input_ids[0][mask.bool()]
         self.processors = processors
         self.stopping_criteria = stopping_criteria
         self.streamer = streamer
@@ -49,6 +53,7 @@ class _Row:
         self.finished = False
         self.stats = GenerationStats()
         self.ctx: DraftContext | None = None
+        self.index = 0  # this row's place in the verifier's batch (the engine's own; a drafter may change ctx.row)
         self.drafter: Drafter | None = None
         self.draft = Draft.empty(input_ids.device)  # this step's draft, after the scheduler's cut
         self.draft_time = 0.0  # this step's drafting seconds
@@ -64,9 +69,10 @@ class _Row:
         self.finished = bool(self.stopping_criteria(self.ids, self.scores).any())
 
     def unmasked_ids(self) -> torch.Tensor:
-        """[1, n' + new]: the committed sequence without the prompt's masked tokens, as the verifier attends to it."""
+        """[1, n' + new]: the committed sequence without the prompt's masked tokens, as the verifier attends to it.
+        Always a new tensor: it goes to the drafter, and nothing a drafter writes may reach `self.ids`."""
         if self.prompt_tokens.shape[0] == self.prompt_len:
-            return self.ids
+            return self.ids.clone()
         return torch.cat([self.prompt_tokens[None], self.ids[:, self.prompt_len :]], dim=1)
 
     def stream(self, num_new: int) -> None:
@@ -78,7 +84,7 @@ def decode(
     verifier: Verifier,
     drafter: Drafter | None,
     scheduler: Scheduler,
-    prompts: list[tuple[torch.Tensor, torch.Tensor, LogitsProcessorList]],
+    prompts: list[tuple[torch.Tensor, torch.Tensor | None, LogitsProcessorList]],
     stopping_criteria: StoppingCriteriaList,
     max_length: int | float,
     do_sample: bool,
@@ -88,7 +94,7 @@ def decode(
     keep_scores: bool = False,
     keep_logits: bool = False,
 ) -> DecodeResult:
-    """Decode every prompt (input_ids [1, n], its unmasked tokens [n'], its processors) to the end.
+    """Decode every prompt (input_ids [1, n], its attention mask [n] or None, its processors) to the end.
 
     acceptance: "match" keeps a drafted token iff it equals the verifier's own choice, made exactly as `generate`
     makes it (argmax, or one multinomial draw from the caller's RNG); "rejection" is speculative sampling's
@@ -98,7 +104,7 @@ def decode(
     drafter = drafter or NoDrafter()
     max_length = math.ceil(max_length)  # `generate` stops at the first length >= max_length, a float included
     rows = [
-        _Row(ids, kept, procs, stopping_criteria, streamer, keep_scores, keep_logits) for ids, kept, procs in prompts
+        _Row(ids, mask, procs, stopping_criteria, streamer, keep_scores, keep_logits) for ids, mask, procs in prompts
     ]
     if streamer is not None:
         streamer.put(rows[0].ids.cpu())  # as `generate` does; TextStreamer(skip_prompt=True) drops it
@@ -109,7 +115,9 @@ def decode(
         return sample(torch.softmax(scores, dim=-1), generator) if do_sample else int(scores.argmax())
 
     # Prefill: the first new token of every row is the verifier's, exactly as in `generate`.
-    logits = verifier.prefill_rows([row.prompt_tokens for row in rows], capacity=max_length + drafter.node_budget + 1)
+    logits = verifier.prefill_rows(
+        [row.prompt_tokens for row in rows], max_length + drafter.node_budget + 1, [row.mask for row in rows]
+    )
     for row, row_logits in zip(rows, logits):
         scores = process_logits(row.processors, row.ids, row_logits)
         row.emit(choose(scores), scores, row_logits)
@@ -118,10 +126,21 @@ def decode(
     prefill_time = clock.lap()
     scheduler.reset(drafter, verifier.model)
     scheduler.set_verify_width(verifier.width_rule())
+    # Under rejection sampling the drafts are sampled, from generators of the drafters' own seeded from the caller's
+    # RNG: their draws are independent of the verifier's, and nothing a drafter does to them reaches the verifier.
+    draft_rng = _generator_seeded_from(generator, verifier.model.device) if rejection else None
     for b, row in enumerate(rows):
         row.stats.prefill_time = prefill_time
+        row.index = b
+        # The drafter's own copy of the processors: it may call them (stateful ones included) or change them, and
+        # the verifier's scores go through the originals only.
         row.ctx = DraftContext(
-            row.unmasked_ids(), rejection, row.processors, generator if rejection else None, verifier, row=b
+            row.unmasked_ids(),
+            rejection,
+            _private_copy(row.processors),
+            _generator_seeded_from(draft_rng, verifier.model.device) if rejection else None,
+            verifier,
+            row=b,
         )
         # Each row drafts with its own copy (weights shared, per-sequence state separate).
         row.drafter = drafter if len(rows) == 1 else drafter.fork()
@@ -143,7 +162,7 @@ def decode(
                 f"(how many of {type(drafter).__name__}'s stages to run)"
             )
         schedule_time = clock.lap()
-        _draft(drafter, active, budget, steps, stages, max_length, rejection, verifier, do_sample)
+        _draft(drafter, active, budget, steps, stages, max_length, verifier, do_sample, draft_rng)
         draft_time = clock.lap()
         ks = scheduler.select_batch([row.draft for row in active])
         for row, k in zip(active, ks):
@@ -179,27 +198,34 @@ def decode(
     return DecodeResult([row.ids for row in rows], rows[0].scores, rows[0].logits, stats)
 
 
-def _draft(drafter, active, budget, steps, stages, max_length, rejection, verifier, do_sample) -> None:
+def _draft(drafter, active, budget, steps, stages, max_length, verifier, do_sample, draft_rng) -> None:
     """Each row's draft for this step by the drafter's first `stages` stages, of at most `budget` nodes and never past
     max_length (the bonus token needs a slot): all rows asked at once, so a drafter may serve them in one forward.
-    No stage: no drafting, the step verifies the pending token alone."""
+    No stage: no drafting, the step verifies the pending token alone.
+
+    When sampling, torch's global RNG is forked around the drafter, so nothing it draws or seeds reaches the
+    caller's stream. draft_rng (rejection sampling only, else None) reseeds it inside the fork, so that a drafter's
+    draws from it are not replays of the verifier's next ones."""
     asks = {}  # row -> how many nodes it may draft
     for row in active:
         room = max_length - row.ids.shape[1] - 1  # a draft of at most `room` nodes is at most `room` deep
         row.draft, row.draft_time = Draft.empty(row.ids.device), 0.0
         if min(budget, room) > 0 and stages > 0:
-            row.ctx.input_ids, row.ctx.steps, row.ctx.stages = row.unmasked_ids(), steps, stages
+            row.ctx.input_ids, row.ctx.steps, row.ctx.stages, row.ctx.row = row.unmasked_ids(), steps, stages, row.index
             asks[row] = min(budget, room)
     if not asks:
         return
     clock = Stopwatch()
     # Under "match" the verifier's draws are `generate`'s own, from the caller's RNG: drafters propose their best
     # guesses (the most likely to match) and whatever they draw comes from a fork of the global RNG.
+    rejection = draft_rng is not None
     device = verifier.model.device
     rng_devices = (
         [torch.cuda.current_device() if device.index is None else device.index] if device.type == "cuda" else []
     )
-    with torch.random.fork_rng(rng_devices) if do_sample and not rejection else contextlib.nullcontext():
+    with torch.random.fork_rng(rng_devices) if do_sample else contextlib.nullcontext():
+        if rejection:
+            _seed_global_rng(draft_rng, rng_devices)
         drafts = drafter.propose_rows([row.drafter for row in asks], [row.ctx for row in asks], list(asks.values()))
     if not isinstance(drafts, list) or len(drafts) != len(asks):
         raise DraftError(
@@ -287,7 +313,33 @@ def _drop_finished(verifier: Verifier, active: list[_Row]) -> list[_Row]:
     """The unfinished rows; finished ones leave the cache, so they stop costing work."""
     keep = [row for row in active if not row.finished]
     if len(keep) < len(active) and keep:
-        verifier.select_rows([row.ctx.row for row in keep])
+        verifier.select_rows([row.index for row in keep])
         for b, row in enumerate(keep):
-            row.ctx.row = b
+            row.index = row.ctx.row = b
     return keep
+
+
+def _generator_seeded_from(generator: torch.Generator | None, device) -> torch.Generator:
+    """A new generator on `generator`'s device (None: torch's global RNG, on `device`), seeded by one draw from it."""
+    device = generator.device if generator is not None else torch.device(device)
+    seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=device))
+    return torch.Generator(device).manual_seed(seed)
+
+
+def _seed_global_rng(source: torch.Generator, cuda_devices: list[int]) -> None:
+    """Seed torch's global CPU RNG (and that of `cuda_devices`) by one draw from `source`."""
+    seed = int(torch.randint(0, 2**62, (1,), generator=source, device=source.device))
+    torch.random.default_generator.manual_seed(seed)
+    for index in cuda_devices:
+        torch.cuda.default_generators[index].manual_seed(seed)
+
+
+def _private_copy(processors: LogitsProcessorList) -> LogitsProcessorList:
+    """A deep copy of each processor (one that cannot be copied, e.g. holding a lock, is shared as it is)."""
+    copies = LogitsProcessorList()
+    for processor in processors:
+        try:
+            copies.append(copy.deepcopy(processor))
+        except (TypeError, copy.Error, RuntimeError):
+            copies.append(processor)
+    return copies

@@ -280,6 +280,7 @@ def generate(
         weight_left_rows=weight_left_rows(model),  # the cached choice, never a measurement inside this call
     )
     _check_context(verifier, prompt_len, config.max_length)
+    verifier.check_masks([None] * batch if attention_mask is None else list(attention_mask))
     _check_drafter(drafter, verifier, call["tokenizer"])
     if scheduler is None:
         scheduler = default_scheduler(drafter, model) if drafter is not None else Scheduler()
@@ -288,7 +289,7 @@ def generate(
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
 
-    prompts = []  # per row: the prompt [1, n] as generate sees it (left padding included), its pads, its processors
+    prompts = []  # per row: the prompt [1, n] as generate sees it (left padding included), its mask, its processors
     for r in range(batch):
         row_mask = None if attention_mask is None else attention_mask[r : r + 1]
         allowed = call["prefix_allowed_tokens_fn"]
@@ -303,10 +304,7 @@ def generate(
             device=input_ids.device,
             model_kwargs={"attention_mask": row_mask},
         )
-        # The cache holds the unmasked tokens only: `generate` masks the others everywhere and numbers the
-        # unmasked ones 0, 1, ... (position_ids from the mask's cumsum), as their slots here do.
-        kept = input_ids[r] if row_mask is None else input_ids[r][row_mask[0].bool()]
-        prompts.append((input_ids[r : r + 1], kept, processors))
+        prompts.append((input_ids[r : r + 1], None if row_mask is None else row_mask[0], processors))
     stopping = model._get_stopping_criteria(
         generation_config=config,
         stopping_criteria=call["stopping_criteria"] or StoppingCriteriaList(),

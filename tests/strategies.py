@@ -6,6 +6,7 @@ import copy
 
 import torch
 from hypothesis import strategies as st
+from transformers import SuppressTokensLogitsProcessor
 
 from drafters import (
     BlockDiffusionDrafter,
@@ -20,7 +21,7 @@ from drafters.block_diffusion import BlockDiffusionConfig, BlockDiffusionModel, 
 from drafters.ngram_store import NgramStore
 from hybrid.testing import ARCHITECTURES, LLAMA_LIKE, tiny_model
 from schedulers import ConfidenceScheduler, CostAwareScheduler, FixedScheduler, HeuristicScheduler
-from verifiers.cache import row_mask_problem
+from verifiers.cache import masked_window_problem, row_mask_problem
 
 
 @st.composite
@@ -40,16 +41,52 @@ def prompts(vocab_size: int, max_len: int = 12):
     return st.lists(st.integers(0, vocab_size - 1), min_size=1, max_size=max_len).map(lambda ids: torch.tensor([ids]))
 
 
+def attention_window(model) -> int | None:
+    """The window of `model`'s windowed layers (a sliding window, GPT-Neo's local one), else None."""
+    text = model.config.get_text_config()
+    return getattr(text, "sliding_window", None) or getattr(text, "window_size", None)
+
+
 @st.composite
-def padded_batches(draw, vocab_size: int, pad: int = 0, max_len: int = 10):
+def holes(draw, length: int, model=None):
+    """Positions to mask inside a prompt of `length` tokens, never its first or last: none, or 1-3 of them. Where
+    `model` attends within a window, they are drawn among the last `window` positions, where a masked token changes
+    what a window holds; models that cannot honour such a hole (`masked_window_problem`, which is refused) get none."""
+    if length < 3 or model is None or masked_window_problem(model) is not None:
+        return []
+    window = attention_window(model)
+    low = 1 if window is None else max(1, length - 1 - window)
+    return draw(st.lists(st.integers(low, length - 2), max_size=3, unique=True), label="masked positions")
+
+
+@st.composite
+def prompt_masks(draw, input_ids: torch.Tensor, model):
+    """None, or an attention mask [1, n] for `input_ids` with left padding and/or masked tokens inside it."""
+    n = input_ids.shape[1]
+    if not draw(st.booleans(), label="attention_mask"):
+        return None
+    mask = torch.ones(1, n, dtype=torch.long)
+    mask[0, : draw(st.integers(0, n - 1), label="left padding")] = 0
+    first = int(mask[0].argmax())
+    for position in draw(holes(n - first, model)):
+        mask[0, first + position] = 0
+    return mask
+
+
+@st.composite
+def padded_batches(draw, vocab_size: int, pad: int = 0, max_len: int = 10, model=None):
     """(input_ids, attention_mask, rows): 2-4 prompts of any lengths, left-padded with `pad` (sometimes more
-    than the longest needs); `rows` are the prompts unpadded, as lists."""
+    than the longest needs); `rows` are the prompts unpadded, as lists. With `model`, some rows also have masked
+    tokens inside them (`holes`): row r's own mask is then attention_mask[r, -len(rows[r]):]."""
     lengths = draw(st.lists(st.integers(1, max_len), min_size=2, max_size=4), label="prompt lengths")
     token = st.integers(0, vocab_size - 1).filter(lambda t: t != pad)
     rows = [draw(st.lists(token, min_size=n, max_size=n), label="prompt") for n in lengths]
     width = max(lengths) + draw(st.integers(0, 2), label="extra padding")
     input_ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
     mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    for r, row in enumerate(rows):
+        for position in draw(holes(len(row), model)):
+            mask[r, width - len(row) + position] = 0
     return input_ids, mask, rows
 
 
@@ -97,6 +134,57 @@ class LyingDrafter(Drafter):
         probs = torch.full((max_tokens, self.vocab_size), (1 - 1e-9) / (self.vocab_size - 1))
         probs[:, self.token] = 1e-9
         return Draft(torch.full((max_tokens,), self.token), probs)
+
+
+class MeddlingDrafter(Drafter):
+    """Writes into everything its context hands it: the committed ids, the processors (their settings, one added,
+    each called), its row, and the RNGs it can reach (reseeded); then proposes the tail of the ids it garbled."""
+
+    max_draft_len = 6
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+
+    def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
+        ctx.input_ids[0, -1] = (ctx.input_ids[0, -1] + 1) % self.vocab_size
+        for processor in ctx.processors:
+            for setting in ("penalty", "temperature", "ngram_size", "top_k"):
+                if isinstance(getattr(processor, setting, None), (int, float)):
+                    setattr(processor, setting, getattr(processor, setting) * 2)
+        if not any(isinstance(p, SuppressTokensLogitsProcessor) for p in ctx.processors):
+            ctx.processors.append(SuppressTokensLogitsProcessor([int(ctx.input_ids[0, -1])]))
+        ctx.choose(torch.zeros(self.vocab_size), ctx.input_ids)  # stateful processors see a drafter's call
+        ctx.row = 0
+        torch.manual_seed(0)
+        if ctx.generator is not None:
+            ctx.generator.manual_seed(0)
+        tokens = ctx.input_ids[0].flip(0)[:max_tokens]
+        if not ctx.do_sample:
+            return Draft(tokens)
+        probs = torch.full((len(tokens), self.vocab_size), 0.1 / self.vocab_size)
+        probs[torch.arange(len(tokens)), tokens] += 0.9
+        return Draft(tokens, probs)
+
+
+class HiddenStateMeddler(Drafter):
+    """Reads the verifier's hidden states (embeddings and last layer), overwrites them in place, and drafts from
+    what it wrote."""
+
+    hidden_layers = (0, -1)
+    max_draft_len = 4
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+
+    def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
+        states = ctx.hidden_states()
+        if states is None or states.shape[1] == 0:
+            return Draft.empty(ctx.input_ids.device)
+        states.mul_(-3.0).add_(1.0)
+        tokens = (states[0, -max_tokens:].abs().sum(-1) * 1000).long() % self.vocab_size
+        if not ctx.do_sample:
+            return Draft(tokens)
+        return Draft(tokens, torch.nn.functional.one_hot(tokens, self.vocab_size).float())
 
 
 class RandomTreeDrafter(Drafter):
@@ -235,7 +323,7 @@ def ngram_store_for(model, seed: int, own_answers: bool) -> NgramStore:
 @st.composite
 def drafters_for(draw, model, eos_token_id: int | None):
     """Every kind of drafter the engine must stay lossless with."""
-    kinds = ["random", "self", "perturbed", "lookup", "adversarial", "liar", "block", "tree", "none"]
+    kinds = ["random", "self", "perturbed", "lookup", "adversarial", "liar", "block", "tree", "meddling", "none"]
     if type(model).config_class.model_type not in LLAMA_LIKE:  # the block model is built for Llama-like verifiers
         kinds.remove("block")
     kind = draw(st.sampled_from(kinds))
@@ -268,6 +356,8 @@ def drafters_for(draw, model, eos_token_id: int | None):
         return RandomTreeDrafter(vocab, eos_token_id, seed, guide=guide)
     if kind == "liar":
         return LyingDrafter(vocab, draw(st.integers(0, vocab - 1)))
+    if kind == "meddling":
+        return draw(st.sampled_from([MeddlingDrafter, HiddenStateMeddler]), label="meddler")(vocab)
     if kind == "block":
         lookup_ngram = draw(st.sampled_from([0, 1, 2]))
         return random_block_drafter(

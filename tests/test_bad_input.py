@@ -464,9 +464,29 @@ BAD_DRAFTS = {
     "probs negative": (
         lambda ctx, n: Draft(torch.tensor([3]), _one_hot(3) * 2 - _one_hot(4)),
         True,
-        r"negative or non-finite",
+        r"probs\[0, 4\] = -1\.0: each row of probs is a distribution \(finite, non-negative",
     ),
-    "probs nan": (lambda ctx, n: Draft(torch.tensor([3]), _one_hot(3) * float("nan")), True, r"negative or non-finite"),
+    "probs nan": (lambda ctx, n: Draft(torch.tensor([3]), _one_hot(3) * float("nan")), True, r"probs\[0, 0\] = nan"),
+    "probs inf": (
+        lambda ctx, n: Draft(torch.tensor([3]), _one_hot(3).index_fill(1, torch.tensor([5]), float("inf"))),
+        True,
+        r"probs\[0, 5\] = inf",
+    ),
+    "confidence nan": (
+        lambda ctx, n: Draft(torch.tensor([3]), None, torch.tensor([float("nan")])),
+        False,
+        r"confidence nan for node 0: confidences are finite",
+    ),
+    "confidence inf": (
+        lambda ctx, n: Draft(torch.tensor([3, 4]), None, torch.tensor([0.5, float("inf")])),
+        False,
+        r"confidence inf for node 1",
+    ),
+    "confidence -inf": (
+        lambda ctx, n: Draft(torch.tensor([3]), None, torch.tensor([float("-inf")])),
+        False,
+        r"confidence -inf for node 0",
+    ),
     "probs zero at token": (
         lambda ctx, n: Draft(torch.tensor([3]), _one_hot(4)),
         True,

@@ -18,7 +18,7 @@ PAD = 0
 def test_batch_rows_equal_batch_one_outputs(data):
     model = data.draw(verifiers(), label="verifier")
     vocab = model.config.vocab_size
-    input_ids, mask, rows = data.draw(padded_batches(vocab, PAD), label="batch")
+    input_ids, mask, rows = data.draw(padded_batches(vocab, PAD, model=model), label="batch")
     width = input_ids.shape[1]
     eos = data.draw(st.one_of(st.none(), st.integers(1, vocab - 1)), label="eos")
     drafter = data.draw(drafters_for(model, eos), label="drafter")
@@ -35,7 +35,9 @@ def test_batch_rows_equal_batch_one_outputs(data):
     )
     assert batch.shape[0] == len(rows) and torch.equal(batch[:, :width], input_ids)
     for r, row in enumerate(rows):
-        alone = hybrid.generate(model, torch.tensor([row]), drafter=drafter, **settings_)[0, len(row) :]
+        row_mask = mask[r : r + 1, width - len(row) :]  # the masked tokens inside the row, if any
+        alone = hybrid.generate(model, torch.tensor([row]), attention_mask=row_mask, drafter=drafter, **settings_)
+        alone = alone[0, len(row) :]
         new = batch[r, width:]
         assert torch.equal(new[: len(alone)], alone), f"row {r}"
         assert bool((new[len(alone) :] == PAD).all()), f"row {r} is padded after it finished"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from strategies import cache_layouts, drafters_for, prompts, schedulers_for, verifiers
+from strategies import cache_layouts, drafters_for, prompt_masks, prompts, schedulers_for, verifiers
 
 from hybrid.testing import check_cache_matches_prefill, check_greedy_lossless
 
@@ -33,6 +33,9 @@ def test_greedy_output_equals_model_generate(data):
     if eos is not None:
         kwargs["pad_token_id"] = first_eos
         kwargs["min_new_tokens"] = data.draw(st.sampled_from([None, 0, 3]), label="min_new_tokens")
+    mask = data.draw(prompt_masks(input_ids, model), label="attention_mask")  # padding, holes inside windows
+    if mask is not None:
+        kwargs["attention_mask"] = mask
     processor = data.draw(st.sampled_from([None, "repetition_penalty", "no_repeat_ngram_size"]), label="processor")
     if processor == "repetition_penalty":
         kwargs["repetition_penalty"] = 1.3

@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from strategies import LyingDrafter
+from strategies import HiddenStateMeddler, LyingDrafter, MeddlingDrafter, RandomTreeDrafter
 from transformers import OpenAIGPTConfig, OpenAIGPTLMHeadModel, RwkvConfig, RwkvForCausalLM
 
 import hybrid
-from drafters import ModelDrafter, PromptLookupDrafter
-from hybrid.testing import check_greedy_lossless, tiny_model
+from drafters import Draft, ModelDrafter, PromptLookupDrafter
+from hybrid.testing import check_greedy_lossless, check_sampled_identical, tiny_model
 from schedulers import FixedScheduler
 from verifiers import cache as cache_module
 
@@ -87,6 +87,73 @@ def test_attention_mask_with_a_hole_is_honoured():
     check_greedy_lossless(model, ids, PromptLookupDrafter(), attention_mask=holes, max_new_tokens=20, pad_token_id=0)
 
 
+def holed_prompt(hole: int):
+    """12 random tokens with position `hole` masked."""
+    ids = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    mask[0, hole] = 0
+    return ids, mask
+
+
+def test_a_masked_token_inside_a_sliding_window_counts_as_generate_counts_it():
+    """`generate` measures a sliding window in its cache positions, which count a masked token's slot: a token after
+    the hole sees one real token fewer. hybrid's cache leaves the hole out, and its masks count it back in (plain
+    decoding, chains, trees, the static layout, and a batch whose other row has no hole)."""
+    model = tiny_model("mistral", 64, 2, seed=0, sliding_window=5)
+    ids, mask = holed_prompt(9)
+    out = hybrid.generate(model, ids, attention_mask=mask, drafter=None, max_new_tokens=8, **GREEDY)
+    assert out[0, 12:].tolist() == [36, 3, 63, 28, 30, 50, 18, 61]  # model.generate's
+    tree = RandomTreeDrafter(64, None, seed=1, guide=ModelDrafter(model))
+    for drafter in (None, ModelDrafter(model), tree):
+        for static in (None, "static"):
+            check_greedy_lossless(
+                model,
+                ids,
+                drafter,
+                attention_mask=mask,
+                max_new_tokens=16,
+                hybrid_kwargs={"cache_implementation": static},
+                **GREEDY,
+            )
+    other = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(5))
+    batch = hybrid.generate(
+        model,
+        torch.cat([ids, other]),
+        attention_mask=torch.cat([mask, torch.ones_like(mask)]),
+        drafter=tree,
+        max_new_tokens=16,
+        **GREEDY,
+    )
+    for r, (row, row_mask) in enumerate([(ids, mask), (other, None)]):
+        alone = model.generate(row, attention_mask=row_mask, max_new_tokens=16, **GREEDY)
+        assert torch.equal(batch[r : r + 1], alone), f"row {r}"
+
+
+def test_a_masked_token_a_local_window_of_its_own_would_miscount_is_refused():
+    """GPT-Neo applies its local window inside its attention, over the slots hybrid's cache holds, which leave a
+    masked token out: the window would hold one real token more than `generate`'s, so such a prompt is refused up
+    front, batch rows included. Leading padding, and models whose windows take hybrid's masks, are served."""
+    model = tiny_model("gpt_neo", 64, 2, seed=0, sliding_window=5)
+    ids, mask = holed_prompt(10)
+    refusal = (
+        r"masks position 10 of row 0, after the row's first token, and GPTNeoForCausalLM cannot count it .*local window"
+    )
+    with pytest.raises(ValueError, match=refusal):
+        hybrid.generate(model, ids, attention_mask=mask, drafter=None, max_new_tokens=8, **GREEDY)
+    with pytest.raises(ValueError, match=r"masks position 10 of row 1"):
+        hybrid.generate(
+            model,
+            torch.cat([ids, ids]),
+            attention_mask=torch.cat([torch.ones_like(mask), mask]),
+            drafter=None,
+            max_new_tokens=8,
+            **GREEDY,
+        )
+    padded = torch.ones_like(mask)
+    padded[0, :3] = 0
+    check_greedy_lossless(model, ids, ModelDrafter(model), attention_mask=padded, max_new_tokens=12, **GREEDY)
+
+
 def test_model_that_ignores_the_cache_is_refused():
     """OpenAI GPT accepts `cache=` and drops it, so a verify would see only the fed tokens."""
     torch.manual_seed(0)
@@ -145,6 +212,63 @@ def test_lying_drafter_cannot_inject_tokens():
         out = hybrid.generate(model, prompt, drafter=LyingDrafter(64, 63), acceptance="rejection", **sample)
         injected += int((out[0, 4:] == 63).sum())
     assert injected > 100, injected  # of 300 tokens; model.generate samples it a few times
+
+
+def test_a_drafter_that_writes_into_its_context_changes_nothing():
+    """A drafter may write into whatever it is handed (the ids, the processors, its row, the RNGs, the verifier's
+    hidden states): its drafts change, the output does not, greedy, sampled, in a batch."""
+    model = tiny_model("llama", 64, 2, seed=0)
+    prompt = torch.tensor([[1, 2, 3, 4]])
+    settings = {"max_new_tokens": 12, "pad_token_id": 0}
+    for meddler in (MeddlingDrafter(64), HiddenStateMeddler(64)):
+        for extra in ({}, {"repetition_penalty": 1.3}, {"no_repeat_ngram_size": 2}):
+            check_greedy_lossless(model, prompt, meddler, **settings, **extra)
+        for seed in range(3):
+            check_sampled_identical(model, prompt, meddler, seed, **settings, temperature=0.7, top_k=20)
+    ids, mask, rows = two_prompts(64)
+    stop = {"max_new_tokens": 20, "eos_token_id": 52, **GREEDY}  # row 0 ends first, and leaves the batch
+    batch = hybrid.generate(model, ids, attention_mask=mask, drafter=MeddlingDrafter(64), **stop)
+    for r, row in enumerate(rows):
+        alone = model.generate(row[None], **stop)[0, len(row) :]
+        assert torch.equal(batch[r, ids.shape[1] : ids.shape[1] + len(alone)], alone), f"row {r}"
+
+
+class SteadyDrafter(MeddlingDrafter):
+    """Proposes the pending token twice with an honest smoothed distribution; with `reseeds`, it also seeds every RNG
+    it can reach, the global one and its context's generator."""
+
+    def __init__(self, reseeds: bool):
+        super().__init__(64)
+        self.reseeds = reseeds
+
+    def propose(self, ctx, max_tokens):
+        if self.reseeds:
+            torch.manual_seed(0)
+            if ctx.generator is not None:
+                ctx.generator.manual_seed(0)
+        tokens = ctx.input_ids[0, -1:].repeat(min(2, max_tokens))
+        probs = torch.full((len(tokens), 64), 0.5 / 64)
+        probs[torch.arange(len(tokens)), tokens] += 0.5
+        return Draft(tokens, probs)
+
+
+def test_a_drafter_cannot_steer_the_rejection_rule_through_the_rngs():
+    """Under acceptance="rejection" the drafter samples from a generator of its own, and the global RNG is forked
+    and reseeded around it: seeding them changes none of the verifier's draws, with or without a caller's
+    generator."""
+    model = tiny_model("llama", 64, 2, seed=0)
+    prompt = torch.tensor([[1, 2, 3, 4]])
+    # A fixed scheduler: the default one learns across calls, which would change the drafts verified.
+    sample = {"do_sample": True, "max_new_tokens": 24, "pad_token_id": 0, "acceptance": "rejection"}
+    sample["scheduler"] = FixedScheduler(2)
+    for seed in range(3):
+        outs = []
+        for reseeds in (False, True):
+            torch.manual_seed(seed)
+            outs.append(hybrid.generate(model, prompt, drafter=SteadyDrafter(reseeds), **sample))
+            generator = torch.Generator().manual_seed(seed)
+            outs.append(hybrid.generate(model, prompt, drafter=SteadyDrafter(reseeds), generator=generator, **sample))
+        assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[3]), seed
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

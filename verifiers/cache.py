@@ -6,6 +6,12 @@ of each row and attends through a mask built from the lengths, so rows of differ
 batched forward. **Rollback** is moving a row's length back (as in gpt-fast): nothing is copied or
 recomputed, the rejected drafts' slots are overwritten by the next forward.
 
+**Masked prompt tokens** (an attention_mask with zeros) do not enter the cache: `generate` hides them from every
+query and numbers the unmasked tokens 0, 1, ..., as the slots here do. Its sliding windows, though, are measured in
+its own cache positions, which count a masked token's slot: a token after a hole sees one real token fewer in its
+window. `mark_masked` records, per slot, how many masked tokens `generate` would hold between the row's first
+token and this one, and sliding masks measure the window in those positions.
+
 **Side buffers** hold other per-token state the same way, slot p for position p: named tensors
 [rows, capacity, *per_token] with a valid length per row, which a rollback cuts back, `select_rows`
 selects and growth widens, as it does the keys/values. The verifier's kept hidden states are one
@@ -110,6 +116,7 @@ class SharedCache(Cache):
         self._write_start: int | None = None  # their common first slot, when every row starts at the same one
         self._tree: tuple[torch.Tensor, torch.Tensor] | None = None  # the fed token tree's depths and visibility
         self._forward_start: list[int] = []  # each row's length before the last forward
+        self.holes: torch.Tensor | None = None  # [rows, P + 1] masked prompt tokens before each slot (`mark_masked`)
         self.end = 0  # slots attention reads this forward: max(lengths) + q
 
     # -- memory -------------------------------------------------------------------------------------
@@ -170,6 +177,26 @@ class SharedCache(Cache):
         self.end = self.capacity if self.static else max(self.lengths) + q
         return self._write_index if tree is None else starts[:, None] + self._tree[0]
 
+    def mark_masked(self, masks: list[torch.Tensor | None]) -> None:
+        """Record each row's prompt mask (1-D, 0 for a masked token; None: no mask) so that sliding windows count
+        masked tokens as `generate` does. Only holes after a row's first unmasked token matter (leading ones shift
+        every position alike), and only on sliding layers: otherwise nothing is kept and nothing changes."""
+        holes = [None if mask is None else prompt_holes(mask) for mask in masks]
+        if "sliding_attention" not in self.layer_types or not any(h is not None and bool(h[-1]) for h in holes):
+            self.holes = None
+            return
+        holes = [torch.zeros(1, dtype=torch.long) if h is None else h for h in holes]
+        width = max(h.shape[0] for h in holes)
+        self.holes = torch.stack([torch.cat([h, h[-1:].expand(width - h.shape[0])]) for h in holes]).to(self.device)
+
+    def _window_positions(self, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """`positions` [rows, ...] of the tokens in `slots` (same shape) as `generate`'s cache numbers them: plus the
+        masked prompt tokens before each slot."""
+        if self.holes is None:
+            return positions
+        index = slots.clamp(max=self.holes.shape[1] - 1).reshape(slots.shape[0], -1)
+        return positions + self.holes.gather(1, index).view(slots.shape)
+
     @property
     def aligned(self) -> bool:
         """Whether the forward in flight starts at the same slot in every row."""
@@ -178,8 +205,9 @@ class SharedCache(Cache):
     @property
     def needs_mask(self) -> bool:
         """Whether the forward in flight needs `attention_mask`: the model's own causal mask is right only for a
-        chain fed at the same slot in every row (the cache then ends at length + q in each)."""
-        return not self.aligned or self._tree is not None
+        chain fed at the same slot in every row (the cache then ends at length + q in each), with no masked prompt
+        token inside a sliding window."""
+        return not self.aligned or self._tree is not None or self.holes is not None
 
     def write(self, buffer: torch.Tensor, states: torch.Tensor, dim: int) -> None:
         """Write a forward's states [rows, ..., q, ...] (q on `dim`) into `buffer` at each row's slots."""
@@ -198,6 +226,7 @@ class SharedCache(Cache):
         A fed token sees the row's cached slots and the fed tokens `begin` says (within the sliding window of its
         position, on sliding layers); slots past a row's length hold stale drafts and stay hidden.
         """
+        rows = self._write_index.shape[0]
         keys = torch.arange(self.end, device=self.device)
         if self._tree is None:
             query_pos = self._write_index[:, :, None]  # [rows, q, 1]
@@ -212,6 +241,9 @@ class SharedCache(Cache):
             visible = (offset < 0)[:, None] | (sees.gather(2, j[:, None].expand(-1, q, -1)) & fed[:, None])
             key_pos = torch.where(fed, starts + depths.gather(1, j), keys)[:, None]  # [rows, 1, end]
             query_pos = (starts + depths)[:, :, None]
+        # The window in generate's cache positions: masked prompt tokens count (`mark_masked`).
+        query_pos = self._window_positions(query_pos, self._write_index[:, :, None])
+        key_pos = self._window_positions(key_pos, keys.expand(rows, 1, -1))
         masks = {}
         for kind in set(self.layer_types):
             seen = visible & (key_pos > query_pos - self.window) if kind == "sliding_attention" else visible
@@ -268,6 +300,8 @@ class SharedCache(Cache):
             layer.batch_select_indices(index)
         self.side = {name: b[index.to(b.device)] for name, b in self.side.items()}
         self.lengths = [self.lengths[r] for r in rows]
+        if self.holes is not None:
+            self.holes = self.holes[index]
         self.side_lengths = {name: [valid[r] for r in rows] for name, valid in self.side_lengths.items()}
         if self.static:  # the selected rows are new buffers: fixed addresses again
             for buffer in self.buffers():
@@ -353,6 +387,16 @@ def tree_layout(parents: list[list[int]], width: int, device=None) -> tuple[torc
     return depths.to(device), sees.to(device)
 
 
+def prompt_holes(mask: torch.Tensor) -> torch.Tensor:
+    """[n' + 1] for a prompt mask [n] with n' ones: entry i counts the masked tokens between the first unmasked token
+    and unmasked token i; the last entry counts those of the whole prompt, which every new token follows."""
+    kept = mask.nonzero()[:, 0].cpu()
+    if kept.numel() == 0:
+        raise ValueError("an attention_mask row masks every token: each prompt needs at least one unmasked token")
+    holes = kept - kept[0] - torch.arange(kept.shape[0])
+    return torch.cat([holes, torch.tensor([mask.shape[0] - kept[0] - kept.shape[0]])])
+
+
 def attention_pattern(text_config) -> tuple[list[str], int | None]:
     """Each layer's attention kind, read as transformers reads it for its own caches (`layer_types`, else each
     layer's `sliding_window` / `attention_chunk_size`), and the sliding window; raises for what the masks built
@@ -386,6 +430,18 @@ def row_mask_problem(model) -> str | None:
     attn_config = getattr(text, "attn_config", None)
     if text.model_type == "bloom" or getattr(text, "alibi", False) or getattr(attn_config, "alibi", False):
         return "its ALiBi position bias is built from a 2-D padding mask, which cannot say where each row's queries sit"
+    for name, _ in own_causal_masks(model):
+        return (
+            f"its attention ({name}) applies a causal/local mask of its own, indexed from the last cached slot, "
+            "which is wrong for rows that end elsewhere"
+        )
+    return None
+
+
+def own_causal_masks(model) -> list[tuple[str, torch.Tensor]]:
+    """(module name, mask) of every attention that applies a causal mask of its own: a 4-D bool buffer `bias`
+    (GPT-Neo's, where a local layer's mask is banded)."""
+    masks = []
     for name, module in model.named_modules():
         bias = getattr(module, "bias", None)
         if (
@@ -394,10 +450,20 @@ def row_mask_problem(model) -> str | None:
             and bias.dtype == torch.bool
             and bias.dim() == 4
         ):
-            return (
-                f"its attention ({name}) applies a causal/local mask of its own, indexed from the last cached slot, "
-                "which is wrong for rows that end elsewhere"
-            )
+            masks.append((name, bias))
+    return masks
+
+
+def masked_window_problem(model) -> str | None:
+    """Why `model` cannot measure its attention windows over masked prompt tokens as `generate` does (None if it
+    can): a window the model applies itself counts the cache slots hybrid holds, which leave masked tokens out."""
+    types, _ = attention_pattern(model.config.get_text_config())
+    problem = row_mask_problem(model)
+    if "sliding_attention" in types and problem is not None:
+        return f"its sliding-window layers cannot take hybrid's masks: {problem}"
+    for name, bias in own_causal_masks(model):
+        if not bool(bias[..., -1, :].all()):  # a causal mask's last query sees every key; a local one does not
+            return f"its attention ({name}) applies a local window of its own, over the slots hybrid's cache holds"
     return None
 
 

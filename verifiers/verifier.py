@@ -18,6 +18,8 @@ from verifiers.cache import (
     cache_layer_sources,
     learned_position_limit,
     mask_problem,
+    masked_window_problem,
+    prompt_holes,
     row_mask_problem,
     tree_layout,
 )
@@ -135,19 +137,44 @@ class Verifier:
 
     # -- a batch of rows ------------------------------------------------------------------------------
 
-    @torch.inference_mode()
-    def prefill_rows(self, rows: list[torch.Tensor], capacity: int) -> torch.Tensor:
-        """Run each prompt (1-D, no padding); return float32 logits after each one's last token [rows, vocab].
+    def check_masks(self, masks: list[torch.Tensor | None]) -> None:
+        """Raise unless this model can honour every prompt mask (1-D, 0 = masked; None: none) as `generate` does: a
+        masked token after a row's first unmasked one counts in `generate`'s attention windows, which some models
+        apply themselves (`verifiers.cache.masked_window_problem`)."""
+        holed = [b for b, mask in enumerate(masks) if mask is not None and bool(prompt_holes(mask)[-1])]
+        if not holed:
+            return
+        problem = masked_window_problem(self.model)
+        if problem is not None:
+            mask = masks[holed[0]]
+            first = int(mask.nonzero()[0, 0])
+            hole = first + int((mask[first:] == 0).nonzero()[0, 0])
+            raise ValueError(
+                f"attention_mask masks position {hole} of row {holed[0]}, after the row's first token, and "
+                f"{type(self.model).__name__} cannot count it in its attention window as model.generate does "
+                f"({problem}): mask only leading (left-padding) tokens, or decode this prompt with model.generate"
+            )
 
-        `capacity` bounds a row's length (prompt + new tokens + draft) so buffers are allocated once.
+    @torch.inference_mode()
+    def prefill_rows(
+        self, rows: list[torch.Tensor], capacity: int, masks: list[torch.Tensor | None] | None = None
+    ) -> torch.Tensor:
+        """Run each prompt (1-D, its unmasked tokens); return float32 logits after each one's last token [rows, vocab].
+
+        `capacity` bounds a row's length (prompt + new tokens + draft) so buffers are allocated once. `masks`: each
+        row's prompt mask (1-D, 0 for the masked tokens `rows[b]` leaves out; None: none), for the windows that
+        count them as `generate` does.
         """
         if len(rows) > 1 and not self.batches:
             raise ValueError(
                 f"{type(self.model).__name__} takes no per-row masks ({self.row_mask_problem}): verify one row per call"
             )
+        masks = [None] * len(rows) if masks is None else masks
+        self.check_masks(masks)
         if self.static:  # calls of similar length share a capacity, hence their compiled graphs
             capacity = -(-capacity // STATIC_CAPACITY_STEP) * STATIC_CAPACITY_STEP
         self.cache = SharedCache(self.model, len(rows), capacity, self.hidden_width, static=self.static)
+        self.cache.mark_masked(masks)
         lengths = [row.shape[0] for row in rows]
         width = max(lengths)
         # Right-padded: a real token only sees earlier slots, so the padding needs no mask; its slots lie
@@ -232,8 +259,9 @@ class Verifier:
 
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, capacity: int) -> torch.Tensor:
         """One prompt [1, n] (its masked tokens, if any, marked 0 in `attention_mask`); logits after it [vocab]."""
-        tokens = input_ids[0] if attention_mask is None else input_ids[0][attention_mask[0].bool()]
-        return self.prefill_rows([tokens], capacity)[0]
+        mask = None if attention_mask is None else attention_mask[0]
+        tokens = input_ids[0] if mask is None else input_ids[0][mask.bool()]
+        return self.prefill_rows([tokens], capacity, [mask])[0]
 
     def verify(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed `tokens` [1, m] after the cache; return float32 logits [m, vocab], row i = after tokens[:, :i+1]."""
