@@ -143,6 +143,7 @@ def test_generated_sequences_follow_ar_sampling(tiny, drafter_kind):
             max_new_tokens=NEW_TOKENS,
             generator=gen,
             return_stats=True,
+            scheduler=FixedScheduler(drafter.node_budget),  # drafts every step (the default may skip a poor drafter)
             cache_implementation=static,
             acceptance="rejection",
             **WARPERS,
@@ -220,6 +221,7 @@ def test_batched_rows_follow_ar_sampling(tiny, drafter_kind):
             max_new_tokens=NEW_TOKENS,
             generator=gen,
             return_stats=True,
+            scheduler=FixedScheduler(drafter.node_budget),  # drafts every step (the default may skip a poor drafter)
             **WARPERS,
         )
         for r in range(2):
