@@ -154,6 +154,18 @@ def test_a_masked_token_a_local_window_of_its_own_would_miscount_is_refused():
     check_greedy_lossless(model, ids, ModelDrafter(model), attention_mask=padded, max_new_tokens=12, **GREEDY)
 
 
+def test_a_masked_token_an_alibi_bias_over_slots_would_miscount_is_refused():
+    """MPT's ALiBi bias is an arange over the key slots, which leave a masked token out: a hole between two tokens
+    would shorten their distance, so such a prompt is refused. Bloom's and Falcon's bias counts only unmasked
+    tokens (as hybrid's cache holds them) and is served exactly."""
+    ids, mask = holed_prompt(2)
+    with pytest.raises(ValueError, match=r"masks position 2 of row 0.*MptForCausalLM.*ALiBi bias counts key slots"):
+        hybrid.generate(tiny_model("mpt", 64, 2, seed=0), ids, attention_mask=mask, drafter=None, **GREEDY)
+    for arch in ("bloom", "falcon"):
+        model = tiny_model(arch, 64, 2, seed=0)
+        check_greedy_lossless(model, ids, PromptLookupDrafter(), attention_mask=mask, max_new_tokens=8, **GREEDY)
+
+
 def test_model_that_ignores_the_cache_is_refused():
     """OpenAI GPT accepts `cache=` and drops it, so a verify would see only the fed tokens."""
     torch.manual_seed(0)

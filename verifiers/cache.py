@@ -455,9 +455,14 @@ def own_causal_masks(model) -> list[tuple[str, torch.Tensor]]:
 
 
 def masked_window_problem(model) -> str | None:
-    """Why `model` cannot measure its attention windows over masked prompt tokens as `generate` does (None if it
-    can): a window the model applies itself counts the cache slots hybrid holds, which leave masked tokens out."""
-    types, _ = attention_pattern(model.config.get_text_config())
+    """Why `model` cannot measure its attention windows or position bias over masked prompt tokens as `generate`
+    does (None if it can): a window or bias the model applies itself counts the cache slots hybrid holds, which
+    leave masked tokens out."""
+    text = model.config.get_text_config()
+    types, _ = attention_pattern(text)
+    if getattr(getattr(text, "attn_config", None), "alibi", False):
+        # MPT's ALiBi is an arange over the key slots; Bloom's and Falcon's count only unmasked tokens (cumsum).
+        return "its ALiBi bias counts key slots, so a masked slot between two tokens changes their distance"
     problem = row_mask_problem(model)
     if "sliding_attention" in types and problem is not None:
         return f"its sliding-window layers cannot take hybrid's masks: {problem}"

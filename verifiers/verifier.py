@@ -151,7 +151,7 @@ class Verifier:
             hole = first + int((mask[first:] == 0).nonzero()[0, 0])
             raise ValueError(
                 f"attention_mask masks position {hole} of row {holed[0]}, after the row's first token, and "
-                f"{type(self.model).__name__} cannot count it in its attention window as model.generate does "
+                f"{type(self.model).__name__} cannot count it in its attention as model.generate does "
                 f"({problem}): mask only leading (left-padding) tokens, or decode this prompt with model.generate"
             )
 
