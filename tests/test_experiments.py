@@ -341,13 +341,14 @@ def test_heldout_bad_input_fails_before_any_model_loads(args, message, capsys, t
 
 
 @pytest.mark.slow
-def test_the_committed_calibration_is_keyed_by_the_default_pair():
-    """`CostAwareScheduler(calibration=docs/results/calibration/calibration.json)` loads for `hybrid.load_default()`:
-    the file names the default drafter and verifier as they fingerprint today."""
+def test_the_shipped_scheduler_prior_is_keyed_by_the_default_pair():
+    """The default scheduler of `hybrid.load_default()` starts from the prior shipped beside its drafter: the file
+    names the default drafter and verifier as they fingerprint today (rerun `python -m experiments.scheduler_prior`
+    after changing either)."""
     import hybrid
-    from schedulers.adaptive import pair_fingerprint
-    from schedulers.calibration import AcceptanceModel
+    from schedulers.adaptive import default_scheduler
 
     model, _, drafter = hybrid.load_default()
-    path = REPO / "docs" / "results" / "calibration" / "calibration.json"
-    AcceptanceModel.load(path, pair_fingerprint(drafter, model))  # raises, naming both keys, if they differ
+    scheduler = default_scheduler(drafter, model)
+    scheduler.reset(drafter, model)
+    assert scheduler.prior is not None
