@@ -2,6 +2,7 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 # experiments/gpu_check.sh runs the property tests on a GPU: every tensor and model a test makes goes there.
@@ -9,6 +10,16 @@ if os.environ.get("HYBRID_TEST_DEVICE"):
     torch.set_default_device(os.environ["HYBRID_TEST_DEVICE"])
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests import `strategies` directly
+
+
+@pytest.fixture
+def one_thread():
+    """Torch on one thread for the test, restored after it: tiny models run fastest single-threaded, and the
+    suite shares 2 cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def pytest_terminal_summary(terminalreporter):

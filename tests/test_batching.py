@@ -6,19 +6,13 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from experiments import batching
 
 METHODS = ["plain", "hybrid-none", "hybrid-lookup"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models, one torch thread (conftest.py)
 
 
 def batching_args(out, *extra):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from experiments import bench
 from experiments.models import load_tiny_model
@@ -13,12 +12,7 @@ from experiments.models import load_tiny_model
 METHODS = "plain,hybrid-none,hybrid-lookup,oracle"
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models, one torch thread (conftest.py)
 
 
 @pytest.fixture

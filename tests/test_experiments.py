@@ -11,7 +11,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import torch
 
 from experiments import acceptance, methods, metrics, plots, runs
 from experiments.acceptance import parse_args
@@ -31,12 +30,7 @@ ACCEPTED = [0, 3, 1, 0, 0, 1]
 EMITTED = [1, 4, 2, 1, 1, 2]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models run fastest single-threaded, and the suite shares 2 cores
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models, one torch thread (conftest.py)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -9,7 +9,6 @@ import re
 import time
 
 import pytest
-import torch
 
 import hybrid
 from drafters import PromptLookupDrafter
@@ -20,12 +19,7 @@ from hybrid import cli
 SET_UP_SECONDS = 0.4
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models, one torch thread (conftest.py)
 
 
 @pytest.fixture
