@@ -48,16 +48,11 @@ SAMPLING_CHECKS = {"checked": 0, "boundary_draws": 0}
 # engine must get right (rotary vs learned vs ALiBi positions, sliding windows, local attention inside the model,
 # a model whose config says use_cache=False, caches whose keys and values differ in width, per-layer head sizes).
 def _llama_like(config_cls, model_cls, **extra):
+    """A tiny config of `config_cls`; `extra` adds fields or overrides these."""
+
     def build(vocab_size, num_layers, window):
-        return config_cls(
-            vocab_size=vocab_size,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=num_layers,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            **extra,
-        ), model_cls
+        sizes = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
+        return config_cls(vocab_size=vocab_size, num_hidden_layers=num_layers, **(sizes | extra)), model_cls
 
     return build
 
@@ -85,24 +80,8 @@ def _mla(config_cls, model_cls, **extra):
     """Multi-head latent attention (DeepSeek-V2): the cache holds a compressed latent as keys and the shared rotary
     key as values, one head each, of different widths; keys and values are expanded to every head after the cache.
     Released checkpoints have num_key_value_heads == num_attention_heads, as here."""
-
-    def build(vocab_size, num_layers, window):
-        return config_cls(
-            vocab_size=vocab_size,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=num_layers,
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            kv_lora_rank=16,
-            q_lora_rank=16,
-            qk_nope_head_dim=8,
-            qk_rope_head_dim=4,
-            v_head_dim=12,
-            **extra,
-        ), model_cls
-
-    return build
+    latent = dict(num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4)
+    return _llama_like(config_cls, model_cls, **latent, v_head_dim=12, **extra)
 
 
 # A small mixture of experts for the MLA models that have one (one dense layer first, as released).
