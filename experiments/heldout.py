@@ -1,20 +1,21 @@
 """Held-out acceptance of trained drafters on answers they were not trained on, offline (no decoding).
 
-    python -m experiments.heldout --answers ~/.cache/hybrid/drafter-gpu/generated-b512-syn8000 \
-        --block drafters/checkpoints/smollm2-135m-block --ar ~/.cache/hybrid/drafter/ar-drafter --passes 1,2,3,7
+    python -m experiments.heldout --block drafters/checkpoints/smollm2-135m-block --passes 1,2,3 --reveal
 
-`--answers` is a folder of verifier answers written by the generate stage of `drafters.training.train`. The
-held-out answers are the ones training holds out of that folder (every 20th generated answer,
-`drafters.training.distill.split`); `--exclude-prompts-of` drops those whose prompt also appears in another
-answers folder (say, the data a fine-tune saw). Their verifier features are computed once and cached
+`--answers` is the verifier's held-out answers: by default the shipped ones (drafters/checkpoints/
+smollm2-135m-heldout, its answers to the templated prompts the GPU recipe holds out of training and of the n-gram
+store, rebuilt by `python -m drafters.training.answer_sets heldout`), or a folder the generate stage of
+`drafters.training.train` wrote, whose held-out answers are the ones training holds out of it (every 20th
+generated answer, `drafters.training.distill.split`); `--exclude-prompts-of` drops those whose prompt also appears
+in another answers folder (say, the data a fine-tune saw). Their verifier features are computed once and cached
 under `--work-dir`. For `--anchors-per-answer` anchors per answer (8 by default) it prints the estimate training
 logs (`drafters.training.estimate`): tau of one greedy block per anchor and the share of anchors whose first i
 drafts are all accepted, for prompt lookup, every `--block` checkpoint (with 1, 2, ... denoising passes), every `--dflash` folder (z-lab's
 format, e.g. one `--arch dflash` trained) and every `--ar` baseline;
 with `--ngram-store`, that store alone and continuing prompt lookup (`drafters.training.ngram_build`; it must be built
 from the same folder, so that its held-out answers are these).
-`--reveal` also prints each block checkpoint's teacher-forced accuracy by position with and without the
-true first token given, which shows whether the model reads known block tokens at all.
+`--reveal` also prints each block checkpoint's teacher-forced accuracy by position with the true tokens of the
+first 0, 1, 2, 3 positions given, which shows whether the model reads known block tokens.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from drafters.ar_baseline import load_ar_model
 from drafters.block_diffusion import frozen_verifier_parts, load_model
 from drafters.ngram_store import NgramStore
 from drafters.prompt_lookup import check_prefer_store
+from drafters.training.answer_sets import ANSWERS_NAME, load_answers
 from drafters.training.batches import VocabMap
 from drafters.training.distill import FeatureStore, build_features, held_out_indices, load_sequences
 from drafters.training.estimate import anchor_block_batches, estimate_tau, held_out_anchors, lookup_tau
@@ -40,6 +42,7 @@ from drafters.training.train import DEFAULT_WORK_DIR
 from verifiers.embedded import load_verifier
 
 ANCHORS_PER_ANSWER = 8
+HELD_OUT_ANSWERS = Path(__file__).resolve().parent.parent / "drafters" / "checkpoints" / "smollm2-135m-heldout"
 
 
 def prompts_of(answers: Path) -> set[tuple[int, ...]]:
@@ -51,9 +54,13 @@ def prompts_of(answers: Path) -> set[tuple[int, ...]]:
 
 
 def held_out_store(verifier, tokenizer, answers: Path, exclude: Path | None, work_dir: Path, layers) -> FeatureStore:
-    """Features of the answers training holds out of `answers` (minus prompts seen in `exclude`), cached."""
-    sequences = load_sequences(answers, tokenizer, doc_tokens=0)
-    held = [sequences[i] for i in sorted(held_out_indices([s["source"] for s in sequences]))]
+    """Features of the held-out answers of `answers` (minus prompts seen in `exclude`), cached: all of a folder
+    `answer_sets` wrote, or those training holds out of a generate stage's folder."""
+    if (answers / ANSWERS_NAME).is_file():
+        held = load_answers(answers)
+    else:
+        sequences = load_sequences(answers, tokenizer, doc_tokens=0)
+        held = [sequences[i] for i in sorted(held_out_indices([s["source"] for s in sequences]))]
     if exclude is not None:
         seen = prompts_of(exclude)
         held = [s for s in held if tuple(s["ids"][: s["prompt_len"]]) not in seen]
@@ -101,7 +108,11 @@ def main(argv=None) -> None:
         prog="python -m experiments.heldout", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--answers", type=Path, required=True, help="a folder of gen-*.json answers (drafters.training.train)"
+        "--answers",
+        type=Path,
+        default=HELD_OUT_ANSWERS,
+        help="held-out answers: a folder `drafters.training.answer_sets heldout` wrote (the default: the shipped "
+        "one), or a generate stage's folder of gen-*.json answers (drafters.training.train)",
     )
     parser.add_argument(
         "--exclude-prompts-of", type=Path, default=None, help="drop held-out answers prompted in this folder"
@@ -126,7 +137,7 @@ def main(argv=None) -> None:
         help="also lookup + store with the store's continuation preferred over a one-token match at this share",
     )
     parser.add_argument(
-        "--reveal", action="store_true", help="also the teacher-forced accuracy with the first token given"
+        "--reveal", action="store_true", help="also the teacher-forced accuracy with the first 0-3 true tokens given"
     )
     parser.add_argument(
         "--anchors-per-answer", type=int, default=ANCHORS_PER_ANSWER, help="anchors drawn in each held-out answer"
@@ -136,9 +147,11 @@ def main(argv=None) -> None:
     if args.anchors_per_answer < 1:
         parser.error(f"--anchors-per-answer {args.anchors_per_answer}: give at least 1")
     for folder in [args.answers] + ([args.exclude_prompts_of] if args.exclude_prompts_of else []):
-        if not any(folder.glob("gen-*.json")):
+        if not any(folder.glob("gen-*.json")) and not (folder / ANSWERS_NAME).is_file():
             parser.error(
-                f"{folder} holds no gen-*.json answers: pass the generate stage's folder of `drafters.training.train`"
+                f"{folder} holds no answers: pass a folder `python -m drafters.training.answer_sets heldout` wrote "
+                "(drafters/checkpoints/smollm2-135m-heldout) or the generate stage's folder of "
+                "`drafters.training.train`"
             )
     if args.ar and not args.block:
         parser.error(
@@ -192,7 +205,7 @@ def main(argv=None) -> None:
             )
             print(row(f"{path}, {p} pass{'es' if p > 1 else ''}", tau, by_position), flush=True)
         if args.reveal:
-            for revealed in (0, 1):
+            for revealed in range(min(4, model.config.block_size - 1)):
                 accuracy = reveal_accuracy(model, embed, head, store, anchors, vmap, revealed)
                 print(
                     f"{path}: teacher-forced accuracy by position, true tokens given at 1..{revealed}: "

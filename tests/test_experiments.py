@@ -311,7 +311,7 @@ def test_warns_when_accelerate_cpu_launch_started_one_process(monkeypatch):
 @pytest.mark.parametrize(
     "args, message",
     [
-        ([], "holds no gen-*.json answers"),
+        ([], "holds no answers: pass a folder"),
         (["--ar", "x"], "--ar needs a --block checkpoint"),
         (["--passes", "0"], "--passes '0': every value must be >= 1"),
         (["--lookup", "7,x"], "--lookup '7,x': give comma-separated integers"),

@@ -56,7 +56,9 @@ class VocabMap:
         return self.table[torch.from_numpy(np.array(ids, dtype=np.int64))]
 
 
-def block_batch(store, seq_ids, rng, anchors_per_seq, block_size, vmap, reveal_prob=0.0, anchors=None):
+def block_batch(
+    store, seq_ids, rng, anchors_per_seq, block_size, vmap, reveal_prob=0.0, anchors=None, reveal_scheme="prefix"
+):
     """Tensors for one step: S sequences x A anchors x B block positions (the indexing above)."""
     seqs = [store.sequence(i) for i in seq_ids]
     S, A, B = len(seqs), anchors_per_seq, block_size
@@ -93,16 +95,10 @@ def block_batch(store, seq_ids, rng, anchors_per_seq, block_size, vmap, reveal_p
         soft_probs[row, :n] = torch.from_numpy(np.asarray(s["top_probs"][rows], dtype=np.float32))
     known[..., 0] = True
     if reveal_prob:  # some blocks see part of their answer, as a later denoising pass or a lookup prefix would
-        reveal = torch.from_numpy(rng.random((S, A)) < reveal_prob)
-        prefix = torch.from_numpy(rng.random((S, A)) < 0.5)
-        cut = torch.from_numpy(rng.integers(1, B, size=(S, A)))
-        pos = torch.arange(1, B)
-        random_subset = torch.from_numpy(rng.random((S, A, B - 1))) < torch.from_numpy(rng.random((S, A, 1)))
-        chosen = torch.where(prefix[..., None], pos < cut[..., None], random_subset) & valid & reveal[..., None]
-        # Only valid positions are revealed: their tokens are the exact greedy chain the rest must continue.
-        known[..., 1:] = chosen
+        known[..., 1:] = revealed(rng, valid, reveal_prob, reveal_scheme)
     weights_mask = valid & ~known[..., 1:]
     return dict(
+        first_masked=known[..., 1:].int().cumprod(-1).sum(-1),
         hidden=hidden,
         ids=ids,
         anchors=anchor_pos,
@@ -115,6 +111,33 @@ def block_batch(store, seq_ids, rng, anchors_per_seq, block_size, vmap, reveal_p
         loss_mask=weights_mask,
         full_targets=tokens[..., 1:],
     )
+
+
+REVEAL_SCHEMES = ("prefix", "mixed")
+
+
+def revealed(rng, valid: torch.Tensor, reveal_prob: float, scheme: str) -> torch.Tensor:
+    """Which drafted positions [S, A, B-1] a block is given (True), in a share `reveal_prob` of blocks.
+
+    "prefix": positions 1..k, k uniform in 1..B-2, which is all a block is ever given at draft time (a lookup match
+    or the leading run an earlier denoising pass fixed); "mixed": half prefixes, half random subsets. Only valid
+    positions are revealed: their tokens are the exact greedy chain the rest must continue."""
+    if scheme not in REVEAL_SCHEMES:
+        raise ValueError(f"reveal scheme {scheme!r}: choose one of {', '.join(REVEAL_SCHEMES)}")
+    S, A, n = valid.shape
+    pos = torch.arange(1, n + 1)
+    reveal = torch.from_numpy(rng.random((S, A)) < reveal_prob)
+    if scheme == "prefix":
+        if n < 2:  # a block of one drafted position has nothing left to predict once given one
+            return torch.zeros_like(valid)
+        k = torch.from_numpy(rng.integers(1, n, size=(S, A)))  # 1..n-1 given, at least one left to predict
+        chosen = pos <= k[..., None]
+    else:
+        use_prefix = torch.from_numpy(rng.random((S, A)) < 0.5)
+        cut = torch.from_numpy(rng.integers(1, n + 1, size=(S, A)))
+        subset = torch.from_numpy(rng.random((S, A, n))) < torch.from_numpy(rng.random((S, A, 1)))
+        chosen = torch.where(use_prefix[..., None], pos < cut[..., None], subset)
+    return chosen & valid & reveal[..., None]
 
 
 def ar_batch(store, seq_ids, vmap):

@@ -123,6 +123,23 @@ def chat_prompts(seed: int = 0) -> list[str]:
     return mixed + chat[n:] + code[n:]
 
 
+def prompt_file(path: Path) -> list[str]:
+    """The user turns of a .jsonl file, one `{"prompt": ...}` object per line."""
+    import json
+
+    prompts = []
+    for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            prompts.append(json.loads(line)["prompt"])
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise ValueError(f'{path}:{number}: each line must be a JSON object with a "prompt" string') from None
+    if not prompts:
+        raise ValueError(f"{path} holds no prompts")
+    return prompts
+
+
 def source_documents(max_chars: int = 6000) -> list[tuple[str, str]]:
     """(user turn, assistant text) pairs: stdlib source excerpts and pydoc topics, as an assistant would show them."""
     from pydoc_data.topics import topics

@@ -6,9 +6,13 @@ import torch
 import torch.nn.functional as F
 
 
-def position_weights(block_size: int, gamma: float) -> torch.Tensor:
-    """exp(-(i-1)/gamma) for block positions i = 1..B-1: early positions decide acceptance, weigh them most."""
-    return torch.exp(-torch.arange(block_size - 1).float() / gamma)
+def position_weights(block_size: int, gamma: float, first_masked: torch.Tensor | None = None) -> torch.Tensor:
+    """exp(-(i-1-f)/gamma) for block positions i = 1..B-1 ([B-1]), or [..., B-1] for blocks given their first
+    `first_masked` [...] = f positions: the first positions left to draft decide acceptance, weigh them most."""
+    i = torch.arange(block_size - 1, device=None if first_masked is None else first_masked.device).float()
+    if first_masked is not None:
+        i = (i - first_masked[..., None]).clamp(min=0)
+    return torch.exp(-i / gamma)
 
 
 def distill_loss(logits, targets, soft_ids, soft_probs, weights, hard_weight: float = 0.5) -> torch.Tensor:

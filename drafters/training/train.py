@@ -24,6 +24,7 @@ Seeded: the same command on the same data gives the same batches, resumed or not
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import sys
@@ -35,8 +36,8 @@ import torch
 from tqdm import tqdm
 
 from drafters.block_diffusion import BlockDiffusionConfig, frozen_verifier_parts
-from drafters.training.batches import VocabMap, ar_batch, block_batch, to_device
-from drafters.training.corpus import chat_prompts
+from drafters.training.batches import REVEAL_SCHEMES, VocabMap, ar_batch, block_batch, to_device
+from drafters.training.corpus import chat_prompts, prompt_file
 from drafters.training.dflash import initial_dflash_model
 from drafters.training.distill import (
     FeatureStore,
@@ -83,6 +84,13 @@ def parser() -> argparse.ArgumentParser:
         "--gen-minutes", type=float, default=None, help="stop generating after this long (no limit by default)"
     )
     p.add_argument(
+        "--prompts",
+        type=Path,
+        default=None,
+        help='a .jsonl file of {"prompt": ...} user turns the verifier answers instead of the templated ones '
+        "(e.g. `python -m drafters.training.answer_sets fresh`)",
+    )
+    p.add_argument(
         "--synthetic-prompts",
         type=int,
         default=0,
@@ -120,6 +128,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--gamma", type=float, default=2.0, help="position weight exp(-(i-1)/gamma)")
     p.add_argument("--reveal-prob", type=float, default=0.2, help="share of blocks that see part of their answer")
+    p.add_argument(
+        "--reveal-scheme",
+        choices=REVEAL_SCHEMES,
+        default="prefix",
+        help="what a revealed block sees: a leading run of its answer (as at draft time), or half of the time a "
+        "random subset (mixed)",
+    )
     p.add_argument("--save-every", type=int, default=25)
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--eval-seqs", type=int, default=256, help="held-out answers the tau estimate uses (8 anchors each)")
@@ -130,6 +145,10 @@ def parser() -> argparse.ArgumentParser:
 
 def training_prompts(args, verifier, tokenizer) -> tuple[list[str], str]:
     """The prompts the verifier answers, and the name of the folder their answers go to."""
+    if args.prompts is not None:
+        prompts = prompt_file(args.prompts)
+        digest = hashlib.sha256("\n".join(prompts).encode()).hexdigest()[:8]
+        return prompts, f"generated-{args.prompts.stem}-{digest}-b{args.gen_batch}"
     prompts = chat_prompts(args.seed)
     if not args.synthetic_prompts:
         # The name the CPU recipe has always used, so its cached answers stay valid.
@@ -149,6 +168,8 @@ def main(argv=None) -> None:
     args = parser().parse_args(argv)
     if args.block_size < 2:
         parser().error("--block-size must be >= 2")
+    if args.prompts is not None and args.synthetic_prompts:
+        parser().error("--prompts replaces the templated prompts: give it without --synthetic-prompts")
     if args.init_from and args.arch != "block":
         parser().error("--init-from starts a block drafter from a checkpoint: use it with --arch block")
     if args.threads:
@@ -188,8 +209,6 @@ def main(argv=None) -> None:
 def recipe_tag(args) -> str:
     """A short hash of what shapes the training run, so a resume never continues a different recipe (the step plan
     included: it sets the learning-rate schedule, so a longer run is another run, not a continued one)."""
-    import hashlib
-
     keys = (
         "arch",
         "steps",
@@ -202,6 +221,7 @@ def recipe_tag(args) -> str:
         "lr",
         "gamma",
         "reveal_prob",
+        "reveal_scheme",
         "seed",
     )
     values = [getattr(args, k) for k in keys] + [str(args.init_from)]
@@ -259,7 +279,6 @@ def train(args, verifier, store: FeatureStore, out: Path, run_dir: Path) -> dict
         f"held-out: {sum(len(a) for _, a in anchors)} anchors; prompt lookup tau there "
         f"{lookup_tau(store, anchors, block_size):.2f}"
     )
-    weights = position_weights(block_size, args.gamma).to(device)
     record = {}
     model.train()
     interactive = sys.stderr.isatty()
@@ -278,10 +297,13 @@ def train(args, verifier, store: FeatureStore, out: Path, run_dir: Path) -> dict
             group["lr"] = lr_at(step, planned, args.lr)
         if args.arch != "ar":  # both block drafters train on the same blocks
             batch = to_device(
-                block_batch(store, seqs, rng, args.anchors_per_seq, block_size, vmap, args.reveal_prob), device
+                block_batch(
+                    store, seqs, rng, args.anchors_per_seq, block_size, vmap, args.reveal_prob, None, args.reveal_scheme
+                ),
+                device,
             )
             logits = block_forward(model, embed, head, batch)
-            w = batch["loss_mask"] * weights
+            w = batch["loss_mask"] * position_weights(block_size, args.gamma, batch["first_masked"])
         else:
             batch = to_device(ar_batch(store, seqs, vmap), device)
             logits = ar_forward(model, head, batch)

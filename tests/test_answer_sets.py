@@ -1,0 +1,63 @@
+"""The drafter pipeline's lasting prompt sets: held-out answers stored as token ids, fine-tune prompts, reveals."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from drafters.training.answer_sets import fine_tune_prompts, load_answers, recipe_split, save_answers
+from drafters.training.batches import revealed
+from drafters.training.corpus import prompt_file
+from drafters.training.losses import position_weights
+
+
+def test_held_out_trained_and_unanswered_prompts_are_disjoint_and_cover_the_templated_ones():
+    held, trained, fresh = recipe_split()
+    assert held and trained and fresh
+    assert not (set(held) & set(trained)) and not (set(held) & set(fresh)) and not (set(trained) & set(fresh))
+    assert not set(held) & set(fine_tune_prompts())  # a fine-tune never sees a held-out prompt
+
+
+def test_answers_round_trip_as_token_ids(tmp_path):
+    rows = [{"ids": [5, 6, 7, 65535], "prompt_len": 2}, {"ids": [1, 2, 3], "prompt_len": 1}]
+    save_answers(rows, tmp_path / "set", {"what": "test"})
+    loaded = load_answers(tmp_path / "set")
+    assert [(r["ids"], r["prompt_len"], r["source"]) for r in loaded] == [
+        ([5, 6, 7, 65535], 2, "generated"),
+        ([1, 2, 3], 1, "generated"),
+    ]
+    with pytest.raises(ValueError, match="uint16"):
+        save_answers([{"ids": [70000], "prompt_len": 0}], tmp_path / "big", {})
+    with pytest.raises(FileNotFoundError, match="answer_sets heldout"):
+        load_answers(tmp_path / "missing")
+
+
+def test_a_prompt_file_names_its_bad_line(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "a"}\n\n{"text": "b"}\n')
+    with pytest.raises(ValueError, match=r"p.jsonl:3"):
+        prompt_file(path)
+    path.write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
+    assert prompt_file(path) == ["a", "b"]
+
+
+def test_a_prefix_reveal_gives_a_leading_run_and_leaves_something_to_draft():
+    rng = np.random.default_rng(0)
+    valid = torch.ones(4, 50, 7, dtype=torch.bool)
+    valid[0, :, 3:] = False  # an answer leaving the greedy chain: nothing past it is revealed
+    known = revealed(rng, valid, 1.0, "prefix")
+    run = known.int().cumprod(-1).sum(-1)
+    assert torch.equal(run, known.sum(-1))  # a leading run, never a gap
+    assert int(run.min()) >= 1 and int(run.max()) <= 6 and not known[0, :, 3:].any()
+    assert len(set(run[1:].flatten().tolist())) == 6  # every length 1..6 occurs
+    assert not revealed(rng, valid, 0.0, "prefix").any()
+    with pytest.raises(ValueError, match="prefix, mixed"):
+        revealed(rng, valid, 0.5, "random")
+
+
+def test_position_weights_start_at_the_first_position_left_to_draft():
+    assert torch.allclose(position_weights(5, 2.0), torch.exp(-torch.arange(4.0) / 2))
+    weights = position_weights(5, 2.0, torch.tensor([0, 2]))
+    assert torch.allclose(weights[1], torch.exp(-torch.tensor([0.0, 0.0, 0.0, 1.0]) / 2))
+    assert torch.allclose(weights[0], position_weights(5, 2.0))
