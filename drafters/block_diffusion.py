@@ -33,6 +33,7 @@ from drafters.tree import tree_below
 CONFIG_NAME = "drafter_config.json"
 CONTEXT = "block-context"  # the side buffer of the projected context keys/values
 FEATURE_CLIP = 8.0
+MASKED_INPUTS = ("anchor", "nearest_known")  # BlockDiffusionConfig.masked_input
 WEIGHTS_NAME = "model.safetensors"
 
 
@@ -49,6 +50,10 @@ class BlockDiffusionConfig:
     rope_theta: float = 100000.0
     rms_norm_eps: float = 1e-5
     draft_vocab_size: int = 8192
+    # What a masked position reads besides its mask embedding: "anchor" (the block's first token, mask embedding i
+    # at position i) or "nearest_known" (the nearest known token to its left, mask embedding i - j for known j: after
+    # a lookup or an earlier pass fixed positions 1..j, position j + 1 reads x_j as position 1 reads the anchor).
+    masked_input: str = "anchor"
     verifier: dict = field(default_factory=dict)  # verifier_fingerprint() of the verifier it was trained for
 
     @classmethod
@@ -161,10 +166,12 @@ class BlockDiffusionModel(nn.Module):
     def __init__(self, config: BlockDiffusionConfig):
         super().__init__()
         c = self.config = config
+        if c.masked_input not in MASKED_INPUTS:
+            raise ValueError(f"masked_input {c.masked_input!r}: choose one of {', '.join(MASKED_INPUTS)}")
         self.fuse = nn.Linear(len(c.target_layers) * c.hidden_size, c.hidden_size, bias=False)
         self.fuse_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.token_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        # One mask embedding per block position (plus the anchor's embedding, see block_inputs): with identical
+        # One mask embedding per block position (plus the embedding of a token it reads, see block_inputs): with identical
         # inputs, masked positions could tell apart only through RoPE, which one layer does poorly.
         self.mask_embedding = nn.Parameter(torch.zeros(c.block_size, c.hidden_size))
         self.feature_gate = nn.Parameter(torch.ones(c.hidden_size))  # scales the fused feature to the embeddings'
@@ -183,10 +190,16 @@ class BlockDiffusionModel(nn.Module):
     def block_inputs(self, token_embeds: torch.Tensor, known: torch.Tensor, last_feature: torch.Tensor) -> torch.Tensor:
         """Inputs [..., B, hidden] of a block from its token embeddings [..., B, hidden] (anchor first), `known`
         [..., B] and `last_feature` [..., hidden] (the fused feature of the token before the anchor), which is
-        added to every position. Masked position i gets mask embedding i plus the anchor's embedding: every
-        position then knows the anchor without attending to it, which an AR layer gets for free and a 1-layer
-        block model otherwise learns slowly."""
-        masked = self.mask_embedding[: token_embeds.shape[-2]].to(token_embeds.dtype) + token_embeds[..., :1, :]
+        added to every position. A masked position gets a mask embedding plus the embedding of the token it reads
+        (`BlockDiffusionConfig.masked_input`): it then knows that token without attending to it, which an AR layer
+        gets for free and a 1-layer block model otherwise learns slowly."""
+        positions = torch.arange(token_embeds.shape[-2], device=known.device)
+        if self.config.masked_input == "nearest_known":  # the nearest known position at or before each one
+            source = torch.where(known, positions, 0).cummax(-1).values
+        else:
+            source = torch.zeros_like(known, dtype=torch.long)
+        read = token_embeds.gather(-2, source[..., None].expand(token_embeds.shape))
+        masked = self.mask_embedding[positions - source].to(token_embeds.dtype) + read
         inputs = torch.where(known[..., None], token_embeds, masked)
         return inputs + (self.feature_gate * last_feature)[..., None, :].to(inputs.dtype)
 

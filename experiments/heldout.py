@@ -14,6 +14,8 @@ drafts are all accepted, for prompt lookup, every `--block` checkpoint (with 1, 
 format, e.g. one `--arch dflash` trained) and every `--ar` baseline;
 with `--ngram-store`, that store alone and continuing prompt lookup (`drafters.training.ngram_build`; it must be built
 from the same folder, so that its held-out answers are these).
+`--fill` also scores each block checkpoint in the default's chain: prompt lookup (continued by the store with
+`--ngram-store`) proposes the block's first positions, the model fills the rest reading them as known.
 `--reveal` also prints each block checkpoint's teacher-forced accuracy by position with the true tokens of the
 first 0, 1, 2, 3 positions given, which shows whether the model reads known block tokens.
 """
@@ -36,7 +38,13 @@ from drafters.prompt_lookup import check_prefer_store
 from drafters.training.answer_sets import ANSWERS_NAME, load_answers
 from drafters.training.batches import VocabMap
 from drafters.training.distill import FeatureStore, build_features, held_out_indices, load_sequences
-from drafters.training.estimate import anchor_block_batches, estimate_tau, held_out_anchors, lookup_tau
+from drafters.training.estimate import (
+    anchor_block_batches,
+    estimate_tau,
+    held_out_anchors,
+    lookup_fill_tau,
+    lookup_tau,
+)
 from drafters.training.models import block_forward
 from drafters.training.train import DEFAULT_WORK_DIR
 from verifiers.embedded import load_verifier
@@ -137,6 +145,12 @@ def main(argv=None) -> None:
         help="also lookup + store with the store's continuation preferred over a one-token match at this share",
     )
     parser.add_argument(
+        "--fill",
+        action="store_true",
+        help="also each block checkpoint filling what prompt lookup (with --ngram-store, continued by it) leaves of "
+        "its block, reading the lookup's tokens as known (the default drafter's chain)",
+    )
+    parser.add_argument(
         "--reveal", action="store_true", help="also the teacher-forced accuracy with the first 0-3 true tokens given"
     )
     parser.add_argument(
@@ -204,6 +218,28 @@ def main(argv=None) -> None:
                 "block", model, embed, head, store, anchors, vmap, model.draft_vocab, model.config.block_size, passes=p
             )
             print(row(f"{path}, {p} pass{'es' if p > 1 else ''}", tau, by_position), flush=True)
+        if args.fill:  # the default's chain: the lookup's tokens first, the block model fills the rest
+            for m in max_ngrams:
+                for p in passes:
+                    tau, by_position, share = lookup_fill_tau(
+                        model,
+                        embed,
+                        head,
+                        store,
+                        anchors,
+                        vmap,
+                        model.draft_vocab,
+                        model.config.block_size,
+                        ngrams,
+                        m,
+                        args.prefer_store,
+                        p,
+                    )
+                    lookup = f"prompt lookup{match(m)}" + (" + n-gram store" if ngrams is not None else "")
+                    if args.prefer_store is not None and ngrams is not None:
+                        lookup += f" (preferred at share >= {args.prefer_store})"
+                    name = f"{lookup}, then {path} fills the block, {p} pass{'es' if p > 1 else ''}"
+                    print(row(name, tau, by_position) + f" block model drafted at {share:.0%} of anchors", flush=True)
         if args.reveal:
             for revealed in range(min(4, model.config.block_size - 1)):
                 accuracy = reveal_accuracy(model, embed, head, store, anchors, vmap, revealed)

@@ -17,7 +17,7 @@ from drafters import (
     ModelDrafter,
     PromptLookupDrafter,
 )
-from drafters.block_diffusion import BlockDiffusionConfig, BlockDiffusionModel, verifier_fingerprint
+from drafters.block_diffusion import MASKED_INPUTS, BlockDiffusionConfig, BlockDiffusionModel, verifier_fingerprint
 from drafters.ngram_store import NgramStore
 from hybrid.testing import ARCHITECTURES, LLAMA_LIKE, tiny_model
 from schedulers import ConfidenceScheduler, CostAwareScheduler, FixedScheduler, HeuristicScheduler
@@ -274,14 +274,17 @@ def random_block_drafter(
     store_min_n: int = 2,
     lookup_max_ngram: int = 3,
     prefer_store: float | None = None,
+    masked_input: str = "anchor",
     **kwargs,
 ):
     """A random-weight BlockDiffusionDrafter for `model` (`kwargs` are its own), its draft vocabulary a random subset
-    of the verifier's. With `lookup_ngram` >= 1 or an `ngram_store`, the ChainDrafter of a PromptLookupDrafter
+    of the verifier's, its masked positions reading `masked_input`. With `lookup_ngram` >= 1 or an `ngram_store`, the ChainDrafter of a PromptLookupDrafter
     (min_ngram=lookup_ngram, max_ngram=lookup_max_ngram, up to `lookup_tokens`, by default the block's) and it."""
     vocab = model.config.vocab_size
     size = vocab if draft_vocab_size is None else draft_vocab_size
-    config = BlockDiffusionConfig.for_verifier(model, block_size=block_size, draft_vocab_size=size)
+    config = BlockDiffusionConfig.for_verifier(
+        model, block_size=block_size, draft_vocab_size=size, masked_input=masked_input
+    )
     torch.manual_seed(seed)
     drafter_model = BlockDiffusionModel(config)
     with torch.no_grad():
@@ -375,6 +378,7 @@ def drafters_for(draw, model, eos_token_id: int | None):
             store_min_n=draw(st.integers(1, 3)),
             lookup_max_ngram=draw(st.sampled_from([3, 32])),
             prefer_store=draw(st.sampled_from([None, 0.5])) if store else None,
+            masked_input=draw(st.sampled_from(MASKED_INPUTS)),
         )
     return None
 

@@ -175,6 +175,31 @@ def test_a_masked_position_reads_the_anchor_at_its_block_index(world):
         torch.testing.assert_close(inputs[2], embeds[2] + gate)  # a known position is its own token
 
 
+def test_a_masked_position_reads_the_nearest_known_token_to_its_left(world):
+    """With masked_input "nearest_known", position j + 1 after known positions ..j reads x_j as position 1 reads the
+    anchor: mask embedding (i - j) plus x_j's embedding; with the anchor alone known it equals "anchor" mode."""
+    verifier, _, _ = world
+    anchor_mode = random_block_drafter(verifier, seed=0, block_size=BLOCK).model
+    model = random_block_drafter(verifier, seed=0, block_size=BLOCK, masked_input="nearest_known").model
+    embeds = torch.randn(BLOCK, model.config.hidden_size)
+    last = torch.randn(model.config.hidden_size)
+    known = torch.tensor([True, True, True, False, True, False])
+    with torch.no_grad():
+        inputs = model.block_inputs(embeds, known, last)
+        gate = model.feature_gate * last
+        torch.testing.assert_close(inputs[3], model.mask_embedding[1] + embeds[2] + gate)
+        torch.testing.assert_close(inputs[5], model.mask_embedding[1] + embeds[4] + gate)
+        torch.testing.assert_close(inputs[2], embeds[2] + gate)
+        only_anchor = torch.arange(BLOCK) == 0
+        blocks = torch.randn(3, BLOCK, model.config.hidden_size)  # and batched blocks read within their own block
+        torch.testing.assert_close(
+            model.block_inputs(embeds, only_anchor, last), anchor_mode.block_inputs(embeds, only_anchor, last)
+        )
+        torch.testing.assert_close(
+            model.block_inputs(blocks, known.expand(3, -1), last)[1], model.block_inputs(blocks[1], known, last)
+        )
+
+
 def test_block_targets_are_exact_only_along_the_greedy_chain():
     ids = np.array([0, 1, 2, 3, 9, 5, 6])
     greedy = np.array([1, 2, 3, 4, 5, 6, 7])  # the text leaves the chain at position 4 (9 != 4)

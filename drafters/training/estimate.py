@@ -36,14 +36,20 @@ def held_out_anchors(store, held, per_seq: int, seed: int) -> list[tuple[int, np
 
 def greedy_block_drafts(model, embed, head, vocab, batch, passes: int = 1) -> torch.Tensor:
     """Greedy drafts [S, A, B-1] (full-vocabulary ids) of a `block_batch`'s anchors after `passes` denoising passes,
-    each after the first with one more leading position fixed to the model's own prediction (what
-    `BlockDiffusionDrafter` drafts with threshold 1)."""
+    each after the first with the first still-masked position fixed to the model's own prediction (what
+    `BlockDiffusionDrafter` drafts with threshold 1; positions the batch gives as known stay as they are)."""
     tokens, known = batch["tokens"].clone(), batch["known"].clone()
-    for fixed in range(1, passes + 1):
+    last = tokens.shape[-1] - 1
+    for done in range(1, passes + 1):
         predicted = vocab[block_forward(model, embed, head, {**batch, "tokens": tokens, "known": known}).argmax(-1)]
-        if fixed == passes or fixed == tokens.shape[-1] - 1:
+        first = known[..., 1:].int().cumprod(-1).sum(-1)  # the leading run of known drafted positions
+        still_open = first < last
+        if done == passes or not bool(still_open.any()):
             break
-        tokens[..., fixed], known[..., fixed] = predicted[..., fixed - 1], True
+        at = first.clamp(max=last - 1)[..., None]  # the first masked position, minus the anchor
+        fixed = torch.where(still_open[..., None], predicted.gather(-1, at), tokens[..., 1:].gather(-1, at))
+        tokens[..., 1:].scatter_(-1, at, fixed)
+        known[..., 1:].scatter_(-1, at, known[..., 1:].gather(-1, at) | still_open[..., None])
     return torch.where(known[..., 1:], tokens[..., 1:], predicted)
 
 
@@ -137,3 +143,42 @@ def lookup_tau(
             hit = (draft.numpy() == full[0, :k]) & ok[0, :k]
             lengths.append(int(np.cumprod(hit).sum()))
     return 1 + float(np.mean(lengths))
+
+
+@torch.no_grad()
+def lookup_fill_tau(
+    model,
+    embed,
+    head,
+    store,
+    anchors,
+    vmap,
+    vocab,
+    block_size,
+    ngrams=None,
+    max_ngram: int = 3,
+    prefer_store: float | None = None,
+    passes: int = 1,
+    chunk_size: int = 4,
+) -> tuple[float, np.ndarray, float]:
+    """The estimate for the default's chain: lookup (`lookup_tau`'s, min_ngram 1) gives the block's first positions,
+    the block model, reading them as known, fills the rest with `passes` passes. Returns tau, acceptance by position,
+    and the share of anchors where the block model drafted anything (the lookup left room)."""
+    model.eval()
+    lengths, filled = [], 0
+    for chunk, batch in anchor_block_batches(store, anchors, block_size, vmap, "cpu", chunk_size):
+        tokens, known = batch["tokens"].clone(), batch["known"].clone()
+        for r, (i, chosen) in enumerate(chunk):
+            ids = torch.from_numpy(store.sequence(i)["ids"].astype(np.int64))
+            for j, a in enumerate(chosen):
+                draft, _ = lookup_draft(ids[: a + 1], 1, max_ngram, block_size - 1, ngrams, 2, prefer_store)
+                tokens[r, j, 1 : 1 + len(draft)], known[r, j, 1 : 1 + len(draft)] = draft, True
+                known[r, j, 1 + len(draft) :] = False
+                filled += len(draft) < block_size - 1
+        predicted = greedy_block_drafts(model, embed, head, vocab, {**batch, "tokens": tokens, "known": known}, passes)
+        got = accepted_lengths(predicted, batch["full_targets"], batch["valid"])
+        lengths += [got[r, : len(a)] for r, (_, a) in enumerate(chunk)]
+    model.train()
+    lengths = torch.cat(lengths).numpy()
+    by_position = np.array([(lengths >= i).mean() for i in range(1, block_size)])
+    return 1 + float(lengths.mean()), by_position, filled / max(1, len(lengths))

@@ -62,9 +62,15 @@ def initial_block_model(args, verifier, store: FeatureStore, train_ids: list[int
         model = load_model(args.init_from).float()
         check_fingerprint(model.config.verifier, verifier_fingerprint(verifier))
         config = model.config
+        if args.masked_input is not None:  # what masked positions read changes; the weights stay
+            config.masked_input = args.masked_input
     else:
         config = BlockDiffusionConfig.for_verifier(
-            verifier, num_layers=args.layers, block_size=args.block_size, draft_vocab_size=args.draft_vocab
+            verifier,
+            num_layers=args.layers,
+            block_size=args.block_size,
+            draft_vocab_size=args.draft_vocab,
+            masked_input=args.masked_input or "nearest_known",
         )
     if tuple(store.layers) != tuple(config.target_layers):
         raise ValueError(f"features hold layers {store.layers}, the drafter needs {config.target_layers}: rebuild them")

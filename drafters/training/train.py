@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from drafters.block_diffusion import BlockDiffusionConfig, frozen_verifier_parts
+from drafters.block_diffusion import MASKED_INPUTS, BlockDiffusionConfig, frozen_verifier_parts
 from drafters.training.batches import REVEAL_SCHEMES, VocabMap, ar_batch, block_batch, to_device
 from drafters.training.corpus import chat_prompts, prompt_file
 from drafters.training.dflash import initial_dflash_model
@@ -117,6 +117,13 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help="start from this block drafter checkpoint (its config, draft vocabulary and feature statistics) "
         "instead of random weights",
+    )
+    p.add_argument(
+        "--masked-input",
+        choices=MASKED_INPUTS,
+        default=None,
+        help="what a masked block position reads (BlockDiffusionConfig.masked_input; default: nearest_known for a new "
+        "drafter, the checkpoint's own with --init-from)",
     )
     p.add_argument("--draft-vocab", type=int, default=4096, help="size of the draft vocabulary (the head's rows)")
     p.add_argument(
@@ -222,6 +229,7 @@ def recipe_tag(args) -> str:
         "gamma",
         "reveal_prob",
         "reveal_scheme",
+        "masked_input",
         "seed",
     )
     values = [getattr(args, k) for k in keys] + [str(args.init_from)]
