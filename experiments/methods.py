@@ -70,6 +70,15 @@ DRAFTERS: dict[str, DrafterEntry | None] = {
     # and the store preferred over a one-token match; and the same lookup without the model.
     "default": long_lookup_entry(trained_drafters.default),
     "match-store": long_lookup_entry(lambda model, block: trained_drafters.match_store(block)),
+    # The default with up to 3 denoising passes, and with the block drafter trained here instead of the shipped one
+    # (`python -m drafters.training.train` writes it to ~/.cache/hybrid/drafter/block-drafter).
+    "default-3passes": long_lookup_entry(lambda model, block: trained_drafters.default(model, block, steps=3)),
+    "default-trained": long_lookup_entry(
+        lambda model, block: trained_drafters.default(model, block, trained_drafters.TRAINED_BLOCK_DIR)
+    ),
+    "default-trained-3passes": long_lookup_entry(
+        lambda model, block: trained_drafters.default(model, block, trained_drafters.TRAINED_BLOCK_DIR, 3)
+    ),
     # Token trees: the block model's best paths under a node budget (block size here = the budget), alone and in
     # the default drafter (lookup and store first, the block model's tree below them); "default-chain" is the
     # default with the block model proposing chains.

@@ -21,6 +21,8 @@ from hybrid.default import (
 )
 
 AR_DIR = DEFAULT_WORK_DIR / "ar-drafter"
+# What `python -m drafters.training.train` writes by default: a block drafter trained (or fine-tuned) here.
+TRAINED_BLOCK_DIR = DEFAULT_WORK_DIR / "block-drafter"
 MAX_DRAFTED = shipped_block_size() - 1  # the shipped drafter's block minus its anchor
 LONG_LOOKUP_TOKENS = DRAFTER_LOOKUP_TOKENS  # what lookup may propose past the block with `long_lookup` (16)
 
@@ -58,11 +60,23 @@ def block(
 
 
 @lru_cache(maxsize=None)
-def default(model, drafted: int = DRAFTER_LOOKUP_TOKENS) -> ChainDrafter:
+def default(
+    model, drafted: int = DRAFTER_LOOKUP_TOKENS, block_dir: Path = DRAFTER_DIR, steps: int | None = None
+) -> ChainDrafter:
     """`hybrid.load_default()`'s drafter (the block model, the longest context match up to 32 tokens and the store),
-    proposing up to `drafted` tokens (16 by default)."""
+    proposing up to `drafted` tokens (16 by default); with `block_dir`, another block checkpoint in its place, with
+    `steps`, another most denoising passes."""
+    if not (Path(block_dir) / "drafter_config.json").is_file():
+        raise FileNotFoundError(
+            f"no block drafter in {block_dir}: train one with `python -m drafters.training.train --out {block_dir}`"
+        )
     return default_drafter(
-        model, ngram_store=ngram_store(), lookup_tokens=drafted, block_size=min(drafted, MAX_DRAFTED) + 1
+        model,
+        ngram_store=ngram_store(),
+        lookup_tokens=drafted,
+        block_size=min(drafted, MAX_DRAFTED) + 1,
+        block_dir=block_dir,
+        **({} if steps is None else {"steps": steps}),
     )
 
 

@@ -31,6 +31,10 @@ DRAFTER_PREFER_STORE = 0.5
 # per node; the scheduler verifies the best prefix of them.
 DRAFTER_TREE_NODES = None
 DRAFTER_BRANCHING = 4
+# The most denoising passes a block may take; the scheduler chooses 1..DRAFTER_STEPS each step, by measured tokens
+# per second (a pass fixes the confident leading run, DRAFTER_THRESHOLD, and re-predicts the rest reading it).
+DRAFTER_STEPS = 1
+DRAFTER_THRESHOLD = 0.9
 
 
 def shipped_block_size() -> int:
@@ -61,10 +65,13 @@ def default_drafter(
     lookup_tokens: int = DRAFTER_LOOKUP_TOKENS,
     block_size: int | None = None,
     max_nodes: int | None = DRAFTER_TREE_NODES,
+    block_dir=DRAFTER_DIR,
+    steps: int = DRAFTER_STEPS,
 ):
     """The shipped drafter for the default verifier `model`: the lookup settings above (a context match continued by
     the n-gram store, up to `lookup_tokens`), and where the lookup falls short of the block, the shipped block model
-    (`block_size`: its trained size if None) fills the block in. The experiments pass a loaded `ngram_store`."""
+    (`block_size`: its trained size if None; another checkpoint for this verifier with `block_dir`) fills the block
+    in, with up to `steps` denoising passes. The experiments pass a loaded `ngram_store`."""
     from drafters import BlockDiffusionDrafter, ChainDrafter, PromptLookupDrafter
 
     lookup = PromptLookupDrafter(
@@ -76,6 +83,13 @@ def default_drafter(
         verifier=model,
     )
     block = BlockDiffusionDrafter.from_pretrained(
-        DRAFTER_DIR, model, tokenizer=tokenizer, block_size=block_size, max_nodes=max_nodes, branching=DRAFTER_BRANCHING
+        block_dir,
+        model,
+        tokenizer=tokenizer,
+        block_size=block_size,
+        max_nodes=max_nodes,
+        branching=DRAFTER_BRANCHING,
+        steps=steps,
+        threshold=DRAFTER_THRESHOLD,
     )
     return ChainDrafter([lookup, block])

@@ -383,11 +383,16 @@ def test_training_can_start_from_a_checkpoint(world, tmp_path):
             "1",
             "--lr",
             "0",
+            "--masked-input",
+            "nearest_known",
+            "--reveal-prob",
+            "0.5",
         ]
     )
     train(args, verifier, store, tmp_path / "out", tmp_path / "run")
     tuned = BlockDiffusionDrafter.from_pretrained(tmp_path / "out", verifier)
     assert tuned.model.config.block_size == BLOCK
+    assert tuned.model.config.masked_input == "nearest_known"  # what masked positions read may change; weights stay
     # lr 0: the weights are the checkpoint's (saved in bfloat16), the draft vocabulary and feature statistics too.
     for (name, a), (_, b) in zip(drafter.model.state_dict().items(), tuned.model.state_dict().items()):
         torch.testing.assert_close(a.to(torch.bfloat16).to(a.dtype), b, msg=name)
