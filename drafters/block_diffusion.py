@@ -59,24 +59,49 @@ class BlockDiffusionConfig:
     @classmethod
     def for_verifier(cls, model, **overrides) -> BlockDiffusionConfig:
         """A config whose width, heads and RoPE follow `model` (so its embedding and head fit)."""
-        text = model.config.get_text_config()
-        rope = getattr(text, "rope_parameters", None) or {}
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        layers = text.num_hidden_layers
+        shape = verifier_geometry(model)
         defaults = dict(
-            hidden_size=text.hidden_size,
-            num_heads=text.num_attention_heads,
-            head_dim=head_dim,
-            num_kv_heads=getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
-            intermediate_size=text.intermediate_size,
-            rope_theta=rope.get("rope_theta", 10000.0),
-            rms_norm_eps=getattr(text, "rms_norm_eps", 1e-5),
-            # Five layers spread from low to the last (DFlash fuses low, middle and high features).
-            target_layers=tuple(sorted({max(1, round(layers * f)) for f in (0.07, 0.3, 0.53, 0.77, 1.0)})),
+            hidden_size=shape["hidden_size"],
+            num_heads=shape["num_heads"],
+            head_dim=shape["head_dim"],
+            num_kv_heads=shape["num_kv_heads"],
+            intermediate_size=shape["intermediate_size"],
+            rope_theta=shape["rope_parameters"].get("rope_theta", 10000.0),
+            rms_norm_eps=shape["norm_eps"],
+            target_layers=spread_layers(shape["num_layers"]),
             verifier=verifier_fingerprint(model),
         )
         defaults.update(overrides)
         return cls(**defaults)
+
+
+def spread_layers(num_layers: int, top: int | None = None) -> tuple[int, ...]:
+    """Five hidden_states indices spread from low layers to `top` (default: the last, `num_layers`), deduplicated:
+    DFlash fuses low, middle and high features."""
+    top = num_layers if top is None else top
+    return tuple(sorted({min(top, max(1, round(num_layers * f))) for f in (0.07, 0.3, 0.53, 0.77, 1.0)}))
+
+
+def verifier_geometry(model) -> dict:
+    """The shape a drafter layer for `model` copies: width, heads, MLP width, norm epsilon, RoPE and layer count, with
+    the defaults of configs that do not name them (GPT-2's: no key/value heads, a 4x MLP, LayerNorm, no RoPE)."""
+    text = model.config.get_text_config()
+    heads = text.num_attention_heads
+    return {
+        "hidden_size": text.hidden_size,
+        "num_heads": heads,
+        "num_kv_heads": getattr(text, "num_key_value_heads", None) or heads,
+        "head_dim": getattr(text, "head_dim", None) or text.hidden_size // heads,
+        "intermediate_size": getattr(text, "intermediate_size", None)
+        or getattr(text, "n_inner", None)
+        or 4 * text.hidden_size,
+        "norm_eps": getattr(text, "rms_norm_eps", None) or getattr(text, "layer_norm_epsilon", None) or 1e-5,
+        "rope_parameters": dict(
+            getattr(text, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0}
+        ),
+        "num_layers": text.num_hidden_layers,
+        "max_position_embeddings": getattr(text, "max_position_embeddings", None) or 2048,
+    }
 
 
 def verifier_fingerprint(model) -> dict:

@@ -31,7 +31,8 @@ from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
-from drafters.base import Draft, DraftContext, Drafter
+from drafters.base import Draft, DraftContext, Drafter, check_same_verifier
+from drafters.block_diffusion import verifier_fingerprint
 from drafters.context import gather_context, sync_context
 from drafters.tree import tree_below
 
@@ -349,8 +350,9 @@ def save_model(model: DFlashModel, path: str | Path, dtype: torch.dtype = torch.
     shutil.copyfile(MODEL_CODE, path / MODEL_CODE.name)
 
 
-def check_verifier(config: Qwen3Config, verifier) -> None:
-    """Raise a ValueError naming the field and the fix unless a drafter of `config` fits `verifier`."""
+def check_verifier(config: Qwen3Config, verifier, fingerprint: bool = True) -> None:
+    """Raise a ValueError naming the field and the fix unless a drafter of `config` fits `verifier`: its shape, and
+    with `fingerprint` the verifier a folder hybrid trained records (`verifier_fingerprint`)."""
     text = verifier.config.get_text_config()
     vocab = verifier.get_input_embeddings().weight.shape[0]
     fix = "load the DFlash drafter trained for this verifier (or train one with --arch dflash)"
@@ -375,6 +377,11 @@ def check_verifier(config: Qwen3Config, verifier) -> None:
     mask = dflash_value(config, "mask_token_id")
     if not 0 <= mask < vocab:
         raise ValueError(f"dflash_config.mask_token_id {mask} outside the verifier's vocabulary [0, {vocab}): {fix}")
+    trained_for = getattr(config, "verifier_fingerprint", None)
+    if trained_for and fingerprint:  # a folder hybrid trained names its verifier (published ones name none)
+        check_same_verifier(
+            trained_for, verifier_fingerprint(verifier), "this drafter was trained for another verifier", fix
+        )
 
 
 class DFlashDrafter(Drafter):
@@ -437,7 +444,7 @@ class DFlashDrafter(Drafter):
         """Load a DFlash folder for `verifier`; `dtype` defaults to the verifier's (bfloat16 for published pairs);
         `kwargs` are the drafter's own (max_nodes, branching)."""
         config = read_config(path)
-        check_verifier(config, verifier)  # before reading the weights: a wrong pairing fails at once
+        check_verifier(config, verifier, fingerprint=False)  # before reading the weights: a wrong shape fails at once
         return cls(load_model(path, dtype or verifier.dtype), verifier, tokenizer, block_size, **kwargs)
 
     def save_pretrained(self, path: str | Path, dtype: torch.dtype = torch.bfloat16) -> None:

@@ -4,6 +4,7 @@ if given one."""
 
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
 
 import torch
@@ -24,7 +25,8 @@ class PromptLookupDrafter(Drafter):
     `drafters.ngram_store`), the store continues the match (the n-gram ending the context and the match,
     n >= `store_min_n`), or stands in where there is none; with `prefer_store`, also where the match is a
     single token and the store's first share is at least that (`lookup_draft`). `min_ngram=0` looks for
-    no match: the store alone. Given the `verifier` model, the store is checked to hold its answers.
+    no match: the store alone. The store is checked to hold the answers of the verifier it drafts for: the `verifier`
+    model when given, and the verifier of every call (once per model).
 
     With an `online_store` (`drafters.online_store`), every sequence this drafter drafts for is recorded there as
     the engine commits it (at `reset` and each `propose`), and a match in those earlier outputs longer than the
@@ -59,8 +61,9 @@ class PromptLookupDrafter(Drafter):
         check_prefer_store(prefer_store, ngram_store)
         self.max_ngram, self.min_ngram, self.max_draft_len = max_ngram, min_ngram, max_draft_len
         self.ngram_store, self.store_min_n = NgramStore.load(ngram_store, store_min_n), store_min_n
-        if self.ngram_store is not None and verifier is not None:
-            check_store_fits(self.ngram_store, verifier_fingerprint(verifier))
+        self._store_checked = None  # the verifier model the n-gram store was last checked against (a weak reference)
+        if verifier is not None:
+            self._check_store(verifier)
         self.online_store = online_store
         if online_store is not None and verifier is not None:
             online_store.bind(verifier)
@@ -74,7 +77,18 @@ class PromptLookupDrafter(Drafter):
         if online_store is not None:  # its contents grow, its kind does not: one drafter for the scheduler
             self.fingerprint += f":online{online_store.max_match}"
 
+    def _check_store(self, model) -> None:
+        """Refuse an n-gram store built from another verifier's answers (a store that records no verifier passes)."""
+        if self.ngram_store is None or not self.ngram_store.verifier:
+            return
+        if self._store_checked is not None and self._store_checked() is model:
+            return
+        check_store_fits(self.ngram_store, verifier_fingerprint(model))
+        self._store_checked = weakref.ref(model)
+
     def reset(self, ctx: DraftContext) -> None:
+        if ctx.verifier is not None:
+            self._check_store(ctx.verifier.model)
         if self.online_store is None:
             return
         if ctx.verifier is not None:

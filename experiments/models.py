@@ -17,22 +17,11 @@ def load_default_model():
 
 
 def load_tiny_model():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from hybrid.testing import byte_tokenizer, tiny_model
 
-    from hybrid.testing import tiny_model
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())  # one token per byte, no merges
-    byte_level = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    byte_level.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    byte_level.decoder = decoders.ByteLevel()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=byte_level)
-    tokenizer.chat_template = (
-        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
-        "{% if add_generation_prompt %}<assistant>{% endif %}"
-    )
+    tokenizer = byte_tokenizer()
     # One token per byte, and the same weights in every process (the seed is fixed).
-    model = tiny_model("llama", len(alphabet), 2, seed=0, max_position_embeddings=1024)
+    model = tiny_model("llama", len(tokenizer), 2, seed=0, max_position_embeddings=1024)
     return model, tokenizer
 
 

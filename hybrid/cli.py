@@ -133,7 +133,7 @@ def _generate(args) -> int:
     if args.verifier is None:
         model, tokenizer, default_drafter = hybrid.load_default(args.device, device_map=args.device_map)
     else:
-        from hybrid.export import load_verifier_folder
+        from verifiers.pretrained import load_verifier_folder
 
         model, tokenizer = load_verifier_folder(args.verifier, args.device, args.device_map)
         default_drafter = None

@@ -49,6 +49,7 @@ def drafter_for(model, path: str | Path | None = None, tokenizer=None) -> Drafte
         ngram_store=DRAFTER_NGRAM_DIR if embedded else None,
         prefer_store=DRAFTER_PREFER_STORE if embedded else None,
         online_store=online,
+        verifier=model,
     )
     if path is None and embedded:
         path = DRAFTER_DIR
@@ -73,8 +74,9 @@ def trained_drafter(path: str | Path, model, tokenizer=None, fingerprint: dict |
         return BlockDiffusionDrafter.from_pretrained(path, model, tokenizer=tokenizer)
     if (path / DFLASH_CONFIG).is_file() and "dflash_config" in json.loads((path / DFLASH_CONFIG).read_text()):
         config = read_config(path)
-        # A DFlash folder names no verifier: what it was trained for is the shape it reads.
-        trained_for = {
+        # A folder hybrid trained names its verifier; a published one does not: what it was trained for is the shape it
+        # reads.
+        trained_for = getattr(config, "verifier_fingerprint", None) or {
             "hidden_size": getattr(config, "target_hidden_size", None) or config.hidden_size,
             "vocab_size": config.vocab_size,
             "num_layers": dflash_value(config, "num_target_layers"),

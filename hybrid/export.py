@@ -41,6 +41,7 @@ def export_served(out: str | Path, verifier: str | Path | None = None, drafter: 
     verifier) fails now rather than at the first request."""
     from hybrid.custom_generate import build_drafter
     from verifiers.embedded import MODEL_NAME, cache_dir, load_verifier
+    from verifiers.pretrained import load_verifier_folder
 
     out = Path(out).resolve()
     if verifier is None:
@@ -67,25 +68,6 @@ def export_served(out: str | Path, verifier: str | Path | None = None, drafter: 
     (out / GLUE).parent.mkdir(exist_ok=True)
     (out / GLUE).write_text(glue_source(drafter))
     return out
-
-
-def load_verifier_folder(verifier: str | Path, device: str = "cpu", device_map=None):
-    """(model, tokenizer) of the model folder `verifier` (save_pretrained, with its tokenizer), for --verifier."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    source = Path(verifier).resolve()
-    if not (source / "config.json").is_file():
-        raise ValueError(f"--verifier {verifier}: no config.json there; pass a folder written by save_pretrained")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(source)
-    except (OSError, ValueError) as e:
-        raise ValueError(
-            f"--verifier {verifier} has no tokenizer transformers can load ({e}): a served model needs one; "
-            "save it into the folder with tokenizer.save_pretrained"
-        ) from None
-    if device_map is not None:
-        return AutoModelForCausalLM.from_pretrained(source, device_map=device_map).eval(), tokenizer
-    return AutoModelForCausalLM.from_pretrained(source).to(device).eval(), tokenizer
 
 
 def glue_source(drafter: str) -> str:

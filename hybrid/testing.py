@@ -197,6 +197,25 @@ def tiny_model(
         return model_cls(config).eval()
 
 
+def byte_tokenizer(chat_template: bool = True):
+    """A tokenizer of one token per byte (256 ids, no merges, no special tokens), built offline, with a two-role chat
+    template (`<user>...\\n<assistant>`) or none: what the tests' tiny verifiers are saved with."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    byte_level = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    byte_level.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    byte_level.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=byte_level)
+    if chat_template:
+        tokenizer.chat_template = (
+            "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}"
+        )
+    return tokenizer
+
+
 @dataclass
 class GreedyReport:
     reference: torch.Tensor  # model.generate's sequence

@@ -22,9 +22,8 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
 import hybrid
 from drafters import ChainDrafter, DFlashDrafter, Draft, DraftContext, PromptLookupDrafter
-from drafters.block_diffusion import BlockDiffusionConfig
 from drafters.training.batches import VocabMap, block_batch
-from drafters.training.dflash import dflash_forward
+from drafters.training.dflash import dflash_forward, dflash_layers
 from drafters.training.distill import build_features
 from drafters.training.train import parser, train
 from hybrid.testing import check_greedy_lossless, check_sampled_identical, tiny_model
@@ -393,8 +392,8 @@ def test_dflash_training_round_trips_through_the_published_format(tmp_path):
     """`--arch dflash` trains a few steps and exports a DFlash folder: its config is the format (a Qwen3 config with
     the DFlash fields), `DFlashDrafter.from_pretrained` loads the trained weights (bfloat16, as published) and drafts
     at each anchor exactly what the training forward predicts there, and decoding with it is lossless."""
-    verifier = tiny_model("qwen3", VOCAB, 2, seed=1)
-    layers = tuple(BlockDiffusionConfig.for_verifier(verifier).target_layers)
+    verifier = tiny_model("qwen3", VOCAB, 3, seed=1)
+    layers = dflash_layers(verifier)  # (1, 2): below the last layer, whose state the servers feed un-normed
     prompts_ = torch.randint(0, VOCAB, (3, 4), generator=torch.Generator().manual_seed(0))
     answers = verifier.generate(prompts_, max_new_tokens=26, do_sample=False)
     sequences = [{"ids": row.tolist(), "prompt_len": 4, "source": "generated"} for row in answers]
@@ -406,7 +405,7 @@ def test_dflash_training_round_trips_through_the_published_format(tmp_path):
 
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
-    assert config["block_size"] == 6 and config["num_target_layers"] == 2 and config["num_hidden_layers"] == 2
+    assert config["block_size"] == 6 and config["num_target_layers"] == 3 and config["num_hidden_layers"] == 2
     assert config["dflash_config"]["target_layer_ids"] == [i - 1 for i in layers]
     assert all(t.dtype == torch.bfloat16 for t in load_file(str(tmp_path / "out" / "model.safetensors")).values())
 

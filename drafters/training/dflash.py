@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from transformers import Qwen3Config
 
+from drafters.block_diffusion import spread_layers, verifier_fingerprint, verifier_geometry
 from drafters.dflash import DFlashModel, layer_masks
 from drafters.training.distill import FeatureStore
 
@@ -24,30 +25,50 @@ def least_used_token(store: FeatureStore, vocab_size: int) -> int:
     return int(np.argmin(counts))
 
 
+def dflash_layers(verifier) -> tuple[int, ...]:
+    """The hidden_states indices a DFlash drafter for `verifier` reads: the block drafter's spread, topped at the
+    output of the layer before the last. transformers' hidden_states[num_layers] is the final-normed output, while
+    vLLM feeds a DFlash drafter the last layer's un-normed state and SGLang captures nothing for it (docs/design.md,
+    "What the last layer means"), so a drafter trained on it would be served other features than it learnt from."""
+    layers = verifier_geometry(verifier)["num_layers"]
+    if layers < 2:
+        raise ValueError(
+            f"a DFlash drafter reads the output of a layer before the verifier's last, and this verifier has {layers}: "
+            "train the block drafter (--arch block) for it"
+        )
+    return spread_layers(layers, top=layers - 1)
+
+
 def dflash_config(
     verifier, hidden_layers: tuple[int, ...], num_layers: int, block_size: int, mask_token_id: int
 ) -> Qwen3Config:
-    """The DFlash config of a drafter for `verifier` reading its `hidden_layers` (hidden_states indices, 1..layers):
-    the verifier's width, heads and RoPE, full attention in every drafter layer."""
-    text = verifier.config.get_text_config()
-    if min(hidden_layers) < 1:
-        raise ValueError(f"DFlash reads decoder layer outputs (hidden_states 1..), not {sorted(hidden_layers)}")
+    """The DFlash config of a drafter for `verifier` reading its `hidden_layers` (hidden_states indices, 1..layers - 1,
+    see `dflash_layers`): the verifier's width, heads and RoPE, full attention in every drafter layer, and the
+    verifier's fingerprint (`verifier_fingerprint`, which hybrid checks at load; the servers ignore it)."""
+    shape = verifier_geometry(verifier)
+    if min(hidden_layers) < 1 or max(hidden_layers) >= shape["num_layers"]:
+        raise ValueError(
+            f"DFlash reads decoder layer outputs before the last (hidden_states 1..{shape['num_layers'] - 1}), not "
+            f"{sorted(hidden_layers)}: the last one is final-normed in transformers and not in vLLM or SGLang "
+            "(drafters.training.dflash.dflash_layers chooses them)"
+        )
     return Qwen3Config(
         vocab_size=verifier.get_input_embeddings().weight.shape[0],
-        hidden_size=text.hidden_size,
-        intermediate_size=text.intermediate_size,
+        hidden_size=shape["hidden_size"],
+        intermediate_size=shape["intermediate_size"],
         num_hidden_layers=num_layers,
-        num_attention_heads=text.num_attention_heads,
-        num_key_value_heads=getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
-        head_dim=getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
-        rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6),
-        rope_parameters=dict(getattr(text, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0}),
-        max_position_embeddings=text.max_position_embeddings,
+        num_attention_heads=shape["num_heads"],
+        num_key_value_heads=shape["num_kv_heads"],
+        head_dim=shape["head_dim"],
+        rms_norm_eps=shape["norm_eps"],
+        rope_parameters=shape["rope_parameters"],
+        max_position_embeddings=shape["max_position_embeddings"],
         layer_types=["full_attention"] * num_layers,
         tie_word_embeddings=False,
         block_size=block_size,
-        num_target_layers=text.num_hidden_layers,
+        num_target_layers=shape["num_layers"],
         dflash_config={"target_layer_ids": [i - 1 for i in hidden_layers], "mask_token_id": mask_token_id},
+        verifier_fingerprint=verifier_fingerprint(verifier),
     )
 
 

@@ -26,11 +26,16 @@ from drafters.training.corpus import source_documents
 from verifiers.prompts import encode_prompt
 
 HELD_OUT_EVERY = 20  # every 20th generated answer is held out of training
+FRUITLESS_ROUNDS = 8  # sampled batches without a new user turn before synthetic_user_turns gives up
+MAX_ANSWER_TOKENS = 256  # the longest answer the verifier gives a training prompt (train.py's --max-new-tokens)
 
 
 def _pad_id(tokenizer) -> int:
-    """What batched generation pads with: the tokenizer's pad token, else its EOS."""
-    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    """What batched generation pads with: the tokenizer's pad token, else its EOS, else token 0 (padding is masked)."""
+    for token in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if token is not None:
+            return token
+    return 0
 
 
 def _user_turn(tokenizer, user: str) -> list[int]:
@@ -48,9 +53,16 @@ def synthetic_user_turns(
     log=print,
 ) -> list[str]:
     """`count` user turns sampled from the verifier itself (temperature 1 after its chat template's user header),
-    cached in `out_file`: more varied prompts than templates give, in the verifier's own idea of a request."""
+    cached in `out_file`: more varied prompts than templates give, in the verifier's own idea of a request. A tokenizer
+    without a chat template, or a verifier that ends no turn in `FRUITLESS_ROUNDS` batches, is refused with the fix
+    (--prompts)."""
     if out_file.exists():
         return json.loads(out_file.read_text())[:count]
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"{type(tokenizer).__name__} has no chat template, so there is no user header to sample user turns after: "
+            'give the prompts with --prompts FILE.jsonl (one {"prompt": ...} a line) instead of --synthetic-prompts'
+        )
     marker = "\x00"
     rendered = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False)
     header = tokenizer(rendered[: rendered.index(marker)], add_special_tokens=False, return_tensors="pt")["input_ids"]
@@ -59,10 +71,22 @@ def synthetic_user_turns(
         if "<|im_end|>" in tokenizer.get_vocab()
         else tokenizer.eos_token_id
     )
+    if stop is None:
+        raise ValueError(
+            f"{type(tokenizer).__name__} names no end-of-turn token (<|im_end|> or an EOS) to end a sampled user turn "
+            "at: give the prompts with --prompts FILE.jsonl instead of --synthetic-prompts"
+        )
     pad = _pad_id(tokenizer)
     torch.manual_seed(seed)
-    turns, seen, start = [], set(), time.time()
+    turns, seen, start, fruitless = [], set(), time.time(), 0
     while len(turns) < count:
+        if fruitless == FRUITLESS_ROUNDS:
+            raise ValueError(
+                f"the verifier ended no new user turn of at least 12 characters in {FRUITLESS_ROUNDS} batches of "
+                f"{min(batch_size, count)} samples ({len(turns)} of {count} so far): give the prompts with --prompts "
+                "FILE.jsonl instead of --synthetic-prompts"
+            )
+        before = len(turns)
         ids = header.expand(min(batch_size, count), -1).to(model.device)
         with torch.inference_mode():
             out = model.generate(
@@ -82,6 +106,7 @@ def synthetic_user_turns(
             if len(text) >= 12 and text not in seen:
                 seen.add(text)
                 turns.append(text)
+        fruitless = fruitless + 1 if len(turns) == before else 0
         log(f"synthetic prompts: {len(turns)}/{count}, {time.time() - start:.0f}s")
     turns = turns[:count]
     out_file.parent.mkdir(parents=True, exist_ok=True)
@@ -104,7 +129,7 @@ def generate_shards(
     out_dir: Path,
     minutes: float,
     batch_size: int = 64,
-    max_new_tokens: int = 256,
+    max_new_tokens: int = MAX_ANSWER_TOKENS,
     max_shards: int | None = None,
     log=print,
 ) -> None:

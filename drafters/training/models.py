@@ -21,6 +21,7 @@ from drafters.block_diffusion import (
     load_model,
     save_model,
     verifier_fingerprint,
+    verifier_geometry,
 )
 from drafters.dflash import DFlashModel
 from drafters.dflash import save_model as save_dflash
@@ -124,26 +125,25 @@ def make_ar_model(verifier, trainable_budget: int):
     """A 1-layer Llama with the verifier's embedding/head (frozen) and ~`trainable_budget` trainable parameters."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    text = verifier.config.get_text_config()
-    h = text.hidden_size
-    heads, kv, hd = text.num_attention_heads, text.num_key_value_heads, text.head_dim
+    text, shape = verifier.config.get_text_config(), verifier_geometry(verifier)
+    h, heads, kv, hd = shape["hidden_size"], shape["num_heads"], shape["num_kv_heads"], shape["head_dim"]
     attention = h * heads * hd * 2 + h * kv * hd * 2
     intermediate = max(1, round((trainable_budget - attention - 3 * h) / (3 * h)))
     config = LlamaConfig(
-        vocab_size=text.vocab_size,
+        vocab_size=verifier.get_input_embeddings().weight.shape[0],
         hidden_size=h,
         intermediate_size=intermediate,
         num_hidden_layers=1,
         num_attention_heads=heads,
         num_key_value_heads=kv,
         head_dim=hd,
-        rms_norm_eps=text.rms_norm_eps,
-        rope_parameters=dict(text.rope_parameters),
-        max_position_embeddings=text.max_position_embeddings,
+        rms_norm_eps=shape["norm_eps"],
+        rope_parameters=shape["rope_parameters"],
+        max_position_embeddings=shape["max_position_embeddings"],
         tie_word_embeddings=True,
-        bos_token_id=text.bos_token_id,
-        eos_token_id=text.eos_token_id,
-        pad_token_id=text.pad_token_id,
+        bos_token_id=getattr(text, "bos_token_id", None),
+        eos_token_id=getattr(text, "eos_token_id", None),
+        pad_token_id=getattr(text, "pad_token_id", None),
     )
     return with_verifier_embedding(LlamaForCausalLM(config), verifier)
 
@@ -170,6 +170,18 @@ def save_ar_model(model, path: str | Path, dtype=None) -> None:
 
 
 # -- both ---------------------------------------------------------------------------------------------
+
+
+def final_norm(verifier) -> torch.nn.Module | None:
+    """The verifier's last norm before its head (Llama's and Qwen's `model.norm`, GPT-2's `transformer.ln_f`, OPT's
+    `decoder.final_layer_norm`), or None: a drafter's output norm starts from it, so the frozen head reads it at once."""
+    base = verifier.base_model
+    for owner in (base, getattr(base, "decoder", None)):
+        for name in ("norm", "ln_f", "final_layer_norm", "final_layernorm", "norm_f"):
+            module = getattr(owner, name, None) if owner is not None else None
+            if isinstance(module, torch.nn.Module) and getattr(module, "weight", None) is not None:
+                return module
+    return None
 
 
 def trainable(model) -> list[torch.nn.Parameter]:

@@ -3,14 +3,17 @@
     python -m drafters.training.train              # the CPU recipe: block-diffusion drafter, ~55 min on 2 cores
     python -m drafters.training.train --arch ar    # the 1-layer AR baseline, same data and trainable budget
     python -m drafters.training.train --arch dflash  # z-lab's DFlash architecture, same data; exports a DFlash folder
+    python -m drafters.training.train --verifier DIR --prompts FILE.jsonl  # a drafter for any causal LM
     bash experiments/gpu_train.sh OUT              # the GPU recipe of the shipped checkpoint (these options, scaled)
 
 The shipped checkpoint (drafters/checkpoints/smollm2-135m-block) comes from the GPU recipe; its
-training.json records the command and what the run cost. Drafters go to --work-dir/{block,ar,dflash}-drafter
-unless --out says otherwise; copy a block drafter into drafters/checkpoints/ to ship it. A dflash drafter is a
-DFlash folder that vLLM and SGLang serve as it is (README).
+training.json records the command and what the run cost. Drafters go to WORK/{block,ar,dflash}-drafter unless --out
+says otherwise, where WORK is --work-dir for the embedded verifier and --work-dir/verifiers/ARCHITECTURE-KEY for any
+other (`verifier_work_dir`: the key is its fingerprint's, so no verifier reuses another's answers or features);
+copy a block drafter into drafters/checkpoints/ to ship it. A dflash drafter is a DFlash folder that vLLM and SGLang
+serve as it is (README).
 
-Stages, each cached under --work-dir (a rerun skips what is done; delete a folder to redo it):
+Stages, each cached under WORK (a rerun skips what is done; delete a folder to redo it):
   1. generate  the verifier answers --gen-shards x --gen-batch training prompts greedily (drafters.training.corpus,
                plus --synthetic-prompts user turns sampled from the verifier);
   2. features  one teacher-forced verifier pass over those answers and --doc-tokens of local documents
@@ -35,11 +38,18 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from drafters.block_diffusion import MASKED_INPUTS, BlockDiffusionConfig, frozen_verifier_parts
+from drafters.block_diffusion import (
+    CONFIG_NAME,
+    MASKED_INPUTS,
+    BlockDiffusionConfig,
+    frozen_verifier_parts,
+    verifier_fingerprint,
+)
 from drafters.training.batches import REVEAL_SCHEMES, VocabMap, ar_batch, block_batch, to_device
 from drafters.training.corpus import chat_prompts, prompt_file
-from drafters.training.dflash import initial_dflash_model
+from drafters.training.dflash import dflash_layers, initial_dflash_model
 from drafters.training.distill import (
+    MAX_ANSWER_TOKENS,
     FeatureStore,
     build_features,
     generate_shards,
@@ -50,10 +60,19 @@ from drafters.training.distill import (
 )
 from drafters.training.estimate import estimate_tau, held_out_anchors, lookup_tau
 from drafters.training.losses import distill_loss, position_weights
-from drafters.training.models import ar_forward, block_forward, export, initial_block_model, make_ar_model, trainable
+from drafters.training.models import (
+    ar_forward,
+    block_forward,
+    export,
+    final_norm,
+    initial_block_model,
+    make_ar_model,
+    trainable,
+)
 from verifiers.embedded import cache_dir, load_verifier
 
 DEFAULT_WORK_DIR = cache_dir() / "drafter"  # $HYBRID_CACHE/drafter, else ~/.cache/hybrid/drafter
+SHIPPED_DRAFTER = Path(__file__).resolve().parents[1] / "checkpoints" / "smollm2-135m-block"  # the embedded verifier's
 
 
 def parser() -> argparse.ArgumentParser:
@@ -68,34 +87,8 @@ def parser() -> argparse.ArgumentParser:
         default="block",
         help="block-diffusion drafter, the 1-layer AR baseline, or a drafter in z-lab's DFlash architecture",
     )
-    p.add_argument("--work-dir", type=Path, default=DEFAULT_WORK_DIR, help="cache of generated data and features")
-    p.add_argument(
-        "--out", type=Path, default=None, help="where the trained drafter goes (default: WORK_DIR/ARCH-drafter)"
-    )
-    p.add_argument("--device", default="cpu", help="torch device for the verifier and the drafter (cpu, cuda, ...)")
-    p.add_argument(
-        "--gen-shards",
-        type=int,
-        default=13,
-        help="batches of --gen-batch training prompts the verifier answers (-1: all of them)",
-    )
-    p.add_argument("--gen-batch", type=int, default=64, help="prompts per generation batch (and shard)")
-    p.add_argument(
-        "--gen-minutes", type=float, default=None, help="stop generating after this long (no limit by default)"
-    )
-    p.add_argument(
-        "--prompts",
-        type=Path,
-        default=None,
-        help='a .jsonl file of {"prompt": ...} user turns the verifier answers instead of the templated ones '
-        "(e.g. `python -m drafters.training.answer_sets fresh`)",
-    )
-    p.add_argument(
-        "--synthetic-prompts",
-        type=int,
-        default=0,
-        help="user turns sampled from the verifier, added to the templated prompts",
-    )
+    add_generation_arguments(p)
+    p.add_argument("--out", type=Path, default=None, help="where the trained drafter goes (default: WORK/ARCH-drafter)")
     p.add_argument("--doc-tokens", type=int, default=30_000, help="tokens of local documents (stdlib, pydoc) to add")
     p.add_argument(
         "--feature-batch-tokens", type=int, default=4096, help="tokens per verifier pass in the features stage"
@@ -145,48 +138,103 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--save-every", type=int, default=25)
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--eval-seqs", type=int, default=256, help="held-out answers the tau estimate uses (8 anchors each)")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     return p
 
 
-def training_prompts(args, verifier, tokenizer) -> tuple[list[str], str]:
+def add_generation_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of the verifier and of the generate stage (drafters.training.ngram_build reads the same answers)."""
+    p.add_argument(
+        "--verifier",
+        default=None,
+        help="the verifier to train for: a transformers causal-LM folder (or a hub name, where a hub is reachable), "
+        "loaded with AutoModelForCausalLM and AutoTokenizer in float32 (default: the embedded SmolLM2-135M-Instruct)",
+    )
+    p.add_argument("--work-dir", type=Path, default=DEFAULT_WORK_DIR, help="cache of generated data and features")
+    p.add_argument("--device", default="cpu", help="torch device for the verifier and the drafter (cpu, cuda, ...)")
+    p.add_argument(
+        "--gen-shards",
+        type=int,
+        default=13,
+        help="batches of --gen-batch training prompts the verifier answers (-1: all of them)",
+    )
+    p.add_argument("--gen-batch", type=int, default=64, help="prompts per generation batch (and shard)")
+    p.add_argument(
+        "--gen-minutes", type=float, default=None, help="stop generating after this long (no limit by default)"
+    )
+    p.add_argument(
+        "--max-new-tokens", type=int, default=MAX_ANSWER_TOKENS, help="the longest answer the verifier gives a prompt"
+    )
+    p.add_argument(
+        "--prompts",
+        type=Path,
+        default=None,
+        help='a .jsonl file of {"prompt": ...} user turns the verifier answers instead of the templated ones '
+        "(e.g. `python -m drafters.training.answer_sets fresh`)",
+    )
+    p.add_argument(
+        "--synthetic-prompts",
+        type=int,
+        default=0,
+        help="user turns sampled from the verifier (after its chat template's user header), added to the templated "
+        "prompts",
+    )
+    p.add_argument("--seed", type=int, default=0)
+
+
+def load_training_verifier(args) -> tuple:
+    """(verifier, tokenizer, WORK): --verifier (a folder, or a hub name passed through to from_pretrained) or the
+    embedded default, frozen, on --device; WORK is the folder under --work-dir its cached stages go to."""
+    if args.verifier is None:
+        verifier, tokenizer = load_verifier(args.device)
+    else:
+        from verifiers.pretrained import load_verifier_folder
+
+        try:
+            verifier, tokenizer = load_verifier_folder(args.verifier, args.device, dtype=torch.float32, hub=True)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
+    verifier.requires_grad_(False)
+    return verifier, tokenizer, verifier_work_dir(args.work_dir, verifier_fingerprint(verifier))
+
+
+def verifier_work_dir(work_dir: Path, fingerprint: dict) -> Path:
+    """Where a verifier's answers, features and runs are cached: --work-dir itself for the embedded verifier (the
+    folders the recipes and experiments.heldout read), else a folder keyed by the verifier's fingerprint, so the same
+    weights get the same folder however they were given, and another verifier never reads their answers."""
+    shipped = json.loads((SHIPPED_DRAFTER / CONFIG_NAME).read_text())["verifier"]  # the embedded verifier's
+    if fingerprint == shipped:
+        return work_dir
+    key = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:12]
+    return work_dir / "verifiers" / f"{fingerprint['architecture']}-{key}"
+
+
+def training_prompts(args, verifier, tokenizer, work: Path) -> tuple[list[str], str]:
     """The prompts the verifier answers, and the name of the folder their answers go to."""
+    length = "" if args.max_new_tokens == MAX_ANSWER_TOKENS else f"-n{args.max_new_tokens}"
     if args.prompts is not None:
         prompts = prompt_file(args.prompts)
         digest = hashlib.sha256("\n".join(prompts).encode()).hexdigest()[:8]
-        return prompts, f"generated-{args.prompts.stem}-{digest}-b{args.gen_batch}"
+        return prompts, f"generated-{args.prompts.stem}-{digest}-b{args.gen_batch}{length}"
     prompts = chat_prompts(args.seed)
     if not args.synthetic_prompts:
         # The name the CPU recipe has always used, so its cached answers stay valid.
-        return prompts, "generated" if args.gen_batch == 64 else f"generated-b{args.gen_batch}"
+        return prompts, "generated" + length if args.gen_batch == 64 else f"generated-b{args.gen_batch}{length}"
     synthetic = synthetic_user_turns(
         verifier,
         tokenizer,
         args.synthetic_prompts,
-        args.work_dir / f"synthetic-prompts-{args.synthetic_prompts}-s{args.seed}.json",
+        work / f"synthetic-prompts-{args.synthetic_prompts}-s{args.seed}.json",
         batch_size=args.gen_batch,
         seed=args.seed,
     )
-    return interleave(prompts, synthetic), f"generated-b{args.gen_batch}-syn{args.synthetic_prompts}"
+    return interleave(prompts, synthetic), f"generated-b{args.gen_batch}-syn{args.synthetic_prompts}{length}"
 
 
-def main(argv=None) -> None:
-    args = parser().parse_args(argv)
-    if args.block_size < 2:
-        parser().error("--block-size must be >= 2")
-    if args.prompts is not None and args.synthetic_prompts:
-        parser().error("--prompts replaces the templated prompts: give it without --synthetic-prompts")
-    if args.init_from and args.arch != "block":
-        parser().error("--init-from starts a block drafter from a checkpoint: use it with --arch block")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    verifier, tokenizer = load_verifier(args.device)
-    verifier.requires_grad_(False)
-    t_start = time.time()
-    # 1. generate
-    prompts, gen_name = training_prompts(args, verifier, tokenizer)
-    gen_dir = args.work_dir / gen_name
+def generate_stage(args, verifier, tokenizer, work: Path) -> tuple[Path, int]:
+    """Stage 1: the verifier's answers to the training prompts (resumed where a run stopped); (their folder, shards)."""
+    prompts, gen_name = training_prompts(args, verifier, tokenizer, work)
+    gen_dir = work / gen_name
     max_shards = None if args.gen_shards < 0 else args.gen_shards
     generate_shards(
         verifier,
@@ -195,19 +243,47 @@ def main(argv=None) -> None:
         gen_dir,
         minutes=float("inf") if args.gen_minutes is None else args.gen_minutes,
         batch_size=args.gen_batch,
+        max_new_tokens=args.max_new_tokens,
         max_shards=max_shards,
     )
-    shards = len(sorted(gen_dir.glob("gen-*.json"))[:max_shards])
-    # 2. features (the folder name says what they depend on)
-    layers = tuple(BlockDiffusionConfig.for_verifier(verifier).target_layers)
+    return gen_dir, len(sorted(gen_dir.glob("gen-*.json"))[:max_shards])
+
+
+def check_generation_arguments(p: argparse.ArgumentParser, args) -> None:
+    if args.prompts is not None and args.synthetic_prompts:
+        p.error("--prompts replaces the templated prompts: give it without --synthetic-prompts")
+    if args.max_new_tokens < 1:
+        p.error("--max-new-tokens must be >= 1")
+
+
+def main(argv=None) -> None:
+    args = parser().parse_args(argv)
+    if args.block_size < 2:
+        parser().error("--block-size must be >= 2")
+    check_generation_arguments(parser(), args)
+    if args.init_from and args.arch != "block":
+        parser().error("--init-from starts a block drafter from a checkpoint: use it with --arch block")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    verifier, tokenizer, work = load_training_verifier(args)
+    print(f"verifier: {type(verifier).__name__}; cached stages in {work}")
+    t_start = time.time()
+    # 1. generate
+    gen_dir, shards = generate_stage(args, verifier, tokenizer, work)
+    # 2. features (the folder name says what they depend on); a DFlash drafter reads layers before the last
+    if args.arch == "dflash":
+        layers = dflash_layers(verifier)
+    else:
+        layers = tuple(BlockDiffusionConfig.for_verifier(verifier).target_layers)
+    gen_name = gen_dir.name
     data = f"g{shards}" if gen_name == "generated" else f"{gen_name.removeprefix('generated-')}-g{shards}"
-    feature_dir = args.work_dir / f"features-{data}-d{args.doc_tokens}-l{'_'.join(map(str, layers))}"
+    feature_dir = work / f"features-{data}-d{args.doc_tokens}-l{'_'.join(map(str, layers))}"
     if not (feature_dir / "meta.json").exists():
         sequences = load_sequences(gen_dir, tokenizer, args.doc_tokens, max_shards=shards)
         build_features(verifier, sequences, feature_dir, layers, batch_tokens=args.feature_batch_tokens)
     # 3. train
-    out = args.out or args.work_dir / f"{args.arch}-drafter"
-    run_dir = args.work_dir / f"train-{args.arch}-{feature_dir.name}-{recipe_tag(args)}"
+    out = args.out or work / f"{args.arch}-drafter"
+    run_dir = work / f"train-{args.arch}-{feature_dir.name}-{recipe_tag(args)}"
     summary = train(args, verifier, FeatureStore(feature_dir), out, run_dir)
     summary["command_wall_minutes_this_run"] = round((time.time() - t_start) / 60, 1)
     print(f"done: {summary}; drafter in {out}")
@@ -260,11 +336,9 @@ def train(args, verifier, store: FeatureStore, out: Path, run_dir: Path) -> dict
         store.move_hidden(device)
     embed, head = frozen_verifier_parts(verifier, vocab)
     model.to(device)
-    final_norm = getattr(verifier.base_model, "norm", None)
-    if (
-        final_norm is not None and not args.init_from
-    ):  # start the output norm where the verifier's is, so its frozen head reads it
-        (model.model.norm if args.arch == "ar" else model.norm).weight.data.copy_(final_norm.weight.data)
+    norm = final_norm(verifier)
+    if norm is not None and not args.init_from:  # start the output norm where the verifier's is, so its head reads it
+        (model.model.norm if args.arch == "ar" else model.norm).weight.data.copy_(norm.weight.data)
     params = trainable(model)
     print(f"{args.arch} drafter: {sum(p.numel() for p in params) / 1e6:.2f} M trainable parameters")
     optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
