@@ -7,7 +7,9 @@
 # The same pipeline as the CPU recipe (python -m drafters.training.train), scaled up for one CUDA GPU:
 #   - prompts: the templated ones plus 8,000 user turns sampled from the verifier itself, interleaved;
 #   - data: 13 batches of 512 of them answered greedily (~1.4 M answer tokens) + 100 k tokens of documents;
-#   - drafter: 2 layers, block 8, 32 answers x 128 anchors per step, 552 steps;
+#   - drafter: 2 layers, block 8, 32 answers x 128 anchors per step, 552 steps; masked positions read the nearest
+#     known token to their left, and half the blocks are given a leading run of their answer (REVEAL), so later
+#     denoising passes and the tokens a lookup gives are read (docs/results.md, "Reading known tokens");
 #   - baseline: the 1-layer AR drafter with the same trainable budget, on the same data (AR_STEPS steps);
 #   - with DFLASH=1, a drafter in DFlash's architecture, same layers, data and steps, scored against the block
 #     drafter by experiments.heldout --block OUT_DIR/block --dflash OUT_DIR/dflash.
@@ -29,14 +31,16 @@ ANCHORS=${ANCHORS:-128}
 BLOCK=${BLOCK:-8}
 GAMMA=${GAMMA:-2}
 EVAL_EVERY=${EVAL_EVERY:-200}
+REVEAL=${REVEAL:-0.5}
 BASELINE=${BASELINE:-1}
 DFLASH=${DFLASH:-0}
 mkdir -p "$OUT"
 common=(--device "$DEVICE" --work-dir "$WORK" --gen-shards "$GEN_SHARDS" --gen-batch "$GEN_BATCH"
         --synthetic-prompts "$SYNTHETIC" --doc-tokens "$DOC_TOKENS" --feature-batch-tokens 32768
         --seqs-per-step "$SEQS" --anchors-per-seq "$ANCHORS" --block-size "$BLOCK" --layers 2 --gamma "$GAMMA"
-        --lr 2e-3 --eval-every "$EVAL_EVERY" --save-every "$EVAL_EVERY")
-python -m drafters.training.train --arch block "${common[@]}" --steps "$STEPS" --out "$OUT/block" 2>&1 | tee "$OUT/block.log"
+        --lr 2e-3 --eval-every "$EVAL_EVERY" --save-every "$EVAL_EVERY" --reveal-prob "$REVEAL" --reveal-scheme prefix)
+python -m drafters.training.train --arch block "${common[@]}" --masked-input nearest_known --steps "$STEPS" \
+    --out "$OUT/block" 2>&1 | tee "$OUT/block.log"
 if [ "$DFLASH" != 0 ]; then
     python -m drafters.training.train --arch dflash "${common[@]}" --steps "$STEPS" --out "$OUT/dflash" 2>&1 \
         | tee "$OUT/dflash.log"

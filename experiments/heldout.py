@@ -32,7 +32,7 @@ import torch
 
 from drafters import dflash
 from drafters.ar_baseline import load_ar_model
-from drafters.block_diffusion import frozen_verifier_parts, load_model
+from drafters.block_diffusion import MASKED_INPUTS, frozen_verifier_parts, load_model
 from drafters.ngram_store import NgramStore
 from drafters.prompt_lookup import check_prefer_store
 from drafters.training.answer_sets import ANSWERS_NAME, load_answers
@@ -145,6 +145,13 @@ def main(argv=None) -> None:
         help="also lookup + store with the store's continuation preferred over a one-token match at this share",
     )
     parser.add_argument(
+        "--masked-input",
+        choices=MASKED_INPUTS,
+        default=None,
+        help="score every --block checkpoint with its masked positions reading this instead of what it was trained "
+        "with (BlockDiffusionConfig.masked_input)",
+    )
+    parser.add_argument(
         "--fill",
         action="store_true",
         help="also each block checkpoint filling what prompt lookup (with --ngram-store, continued by it) leaves of "
@@ -181,6 +188,8 @@ def main(argv=None) -> None:
     verifier, tokenizer = load_verifier("cpu")
     ngrams = args.ngram_store and NgramStore.from_pretrained(args.ngram_store)
     blocks = [(path, load_model(path).float()) for path in args.block]
+    for _, model in blocks:
+        model.config.masked_input = args.masked_input or model.config.masked_input
     dflashes = [(path, dflash.load_model(path, torch.float32)) for path in args.dflash]
     # Every drafter must read the same verifier states (hidden_states indices).
     read = {tuple(m.config.target_layers) for _, m in blocks} | {m.hidden_layers for _, m in dflashes}

@@ -26,6 +26,23 @@ mkdir -p runs/online-store && python -m experiments.online_store --model default
 # Where the drafts pay: plain generate, the engine without drafts and the default, over the four prompt sets x
 # temperatures 0, 0.7, 1.0 x batch sizes 1, 2, 4, 8 (table.txt, regimes.png; several hours on 2 cores).
 python -m experiments.regimes --num-prompts 8 --max-new-tokens 64 --repeats 2 --out runs/regimes
+# The block model reading known tokens: two fine-tunes of the shipped checkpoint at one CPU budget (the same 11
+# shards of answers to prompts the GPU recipe never answered, 30 k document tokens, steps and seed), masked positions
+# reading the anchor or the nearest known token, half the blocks given a prefix; scored on the shipped held-out answers.
+W=~/.cache/hybrid/drafter
+python -m drafters.training.answer_sets finetune --out $W/finetune-prompts.jsonl
+FT="python -m drafters.training.train --init-from drafters/checkpoints/smollm2-135m-block --work-dir $W \
+    --prompts $W/finetune-prompts.jsonl --gen-batch 16 --gen-shards 11 --doc-tokens 30000 --seqs-per-step 4 \
+    --anchors-per-seq 64 --lr 1e-3 --steps 240 --save-every 20 --eval-every 240 --eval-seqs 64 --threads 1"
+$FT --masked-input anchor --reveal-prob 0.5 --reveal-scheme prefix --out $W/ft-anchor-prefix05
+$FT --masked-input nearest_known --reveal-prob 0.5 --reveal-scheme prefix --out $W/ft-nk-prefix05
+mkdir -p runs/heldout && python -m experiments.heldout --block drafters/checkpoints/smollm2-135m-block \
+    --block $W/ft-anchor-prefix05 --block $W/ft-nk-prefix05 --passes 1,2,3 --reveal --fill \
+    --ngram-store drafters/checkpoints/smollm2-135m-ngram --max-ngrams 32 --prefer-store 0.5 --lookup 7 \
+    --anchors-per-answer 16 | tee runs/heldout/finetune.md
+python -m experiments.heldout --block drafters/checkpoints/smollm2-135m-block --masked-input nearest_known \
+    --passes 1,2,3 --reveal --lookup 7 --anchors-per-answer 16 | tee runs/heldout/shipped-nearest-known.md
+for run in ft-anchor-prefix05 ft-nk-prefix05; do cp $W/$run/training.json runs/heldout/$run-training.json; done
 # DFlash's architecture against the block drafter's on one small data set (2 shards of answers + 30 k document
 # tokens): the same steps (300 each), and the block drafter at DFlash's compute (1800 steps); held-out tau of each.
 W=~/.cache/hybrid/drafter-extras
@@ -41,7 +58,7 @@ for run in dflash-drafter-a32 block-drafter-a32 block-drafter-a32-1800; do
     cp $W/$run/training.json runs/extras/$run-training.json
 done
 for run in verify-costs bench-heldout bench-mt-bench bench-humaneval bench-dev bench-sampling-mt-bench bench-sampling-heldout \
-    batching first-call online-store regimes extras; do
+    batching first-call online-store regimes heldout extras; do
     mkdir -p "docs/results/$run"
     cp runs/$run/*.png runs/$run/*.md runs/$run/*.csv runs/$run/*.json runs/$run/*.txt "docs/results/$run/" 2>/dev/null || true
 done

@@ -127,7 +127,7 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--gamma", type=float, default=2.0, help="position weight exp(-(i-1)/gamma)")
-    p.add_argument("--reveal-prob", type=float, default=0.2, help="share of blocks that see part of their answer")
+    p.add_argument("--reveal-prob", type=float, default=0.5, help="share of blocks that see part of their answer")
     p.add_argument(
         "--reveal-scheme",
         choices=REVEAL_SCHEMES,
