@@ -261,6 +261,11 @@ class Drafter:
     def reset(self, ctx: DraftContext) -> None:
         """Called once per `generate` call, after the prefill and before the first `propose`."""
 
+    def finish(self, ctx: DraftContext) -> None:
+        """Called once per `generate` call and row, after its last step, with `ctx.input_ids` its whole committed
+        sequence. The scheduler may skip drafting at any step, so a drafter that learns from what was committed
+        must not count on `propose` having seen every token."""
+
     def fork(self) -> Drafter:
         """A drafter for another row of a batch: shares the weights, keeps its own per-sequence state.
 

@@ -55,6 +55,10 @@ class ChainDrafter(Drafter):
         for source in self.sources:
             source.reset(ctx)
 
+    def finish(self, ctx: DraftContext) -> None:
+        for source in self.sources:
+            source.finish(ctx)
+
     def fork(self) -> ChainDrafter:
         return ChainDrafter([source.fork() for source in self.sources])
 

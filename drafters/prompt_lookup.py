@@ -98,6 +98,10 @@ class PromptLookupDrafter(Drafter):
         self._recorded = self._answer_start = ctx.input_ids.shape[1] - 1
         self._record(ctx)
 
+    def finish(self, ctx: DraftContext) -> None:
+        if self.online_store is not None:
+            self._record(ctx)  # the steps the scheduler did not draft at committed tokens too
+
     def _record(self, ctx: DraftContext) -> list[int]:
         """Give the online store the tokens the engine committed since the last call (all of them the verifier's);
         returns the committed sequence."""

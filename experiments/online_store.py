@@ -25,6 +25,7 @@ from drafters.online_store import OnlineStore
 from experiments.datasets import load_prompts
 from experiments.models import MODEL_HELP, check_model_name, load_model
 from hybrid.stats import timed
+from schedulers.registry import NAMES_HELP, check_scheduler_name, make_scheduler
 
 FOLLOW_UPS = (
     "Now say the same thing more briefly.",
@@ -75,9 +76,17 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--dataset", default="dev", help="where the questions come from (dev: ours, for tuning)")
     parser.add_argument("--num-prompts", type=int, default=None, help="the first N questions (default: all)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument(
+        "--scheduler", default=None, help=f"{NAMES_HELP} (default: hybrid's default, one per method, kept across calls)"
+    )
     parser.add_argument("--out", default=None, help="write the summary as JSON here")
     args = parser.parse_args(argv)
     check_model_name(args.model)
+    if args.scheduler is not None:
+        try:
+            check_scheduler_name(args.scheduler)
+        except ValueError as error:
+            parser.error(str(error))
     if args.max_new_tokens < 1 or (args.num_prompts is not None and args.num_prompts < 1):
         parser.error("--max-new-tokens and --num-prompts must be >= 1")
     model, tokenizer = load_model(args.model)
@@ -86,6 +95,10 @@ def main(argv: list[str] | None = None) -> dict:
     questions = load_prompts(args.dataset)[: args.num_prompts]
     settings = {"max_new_tokens": args.max_new_tokens, "do_sample": False}
     drafters = {"lookup": lookup_drafter(model, online=False), "lookup + online store": lookup_drafter(model, True)}
+    schedulers = {
+        method: None if args.scheduler is None else make_scheduler(args.scheduler, drafter.node_budget)
+        for method, drafter in drafters.items()
+    }
     replies = {}
 
     def answer(messages: list[dict]) -> str:
@@ -104,7 +117,9 @@ def main(argv: list[str] | None = None) -> dict:
         replies[json.dumps(messages)] = tokenizer.decode(reference[0, input_ids.shape[1] :], skip_special_tokens=True)
         for method, drafter in drafters.items():
             (out, run), seconds = timed(
-                lambda ids=input_ids, d=drafter: hybrid.generate(model, ids, drafter=d, return_stats=True, **settings),
+                lambda ids=input_ids, d=drafter, s=schedulers[method]: hybrid.generate(
+                    model, ids, drafter=d, scheduler=s, return_stats=True, **settings
+                ),
                 model.device,
             )
             if not torch.equal(out, reference):

@@ -27,7 +27,7 @@ def learn_prior(model, drafter, prompts: list[torch.Tensor], max_new_tokens: int
     scheduler = CostAwareScheduler(costs=costs, prior=False)
     # Every step drafts with every stage and counts in a plain mean: the prior is what each stage adds over all the
     # prompts, not over the last steps, nor only where this machine's costs made the scheduler run them.
-    scheduler.STAGE_EXPLORE, scheduler.MOVING = 1, 0.0
+    scheduler.ALL_STAGES, scheduler.MOVING = True, 0.0
     for ids in prompts:
         hybrid.generate(model, ids, drafter=drafter, scheduler=scheduler, max_new_tokens=max_new_tokens)
     return scheduler

@@ -187,6 +187,9 @@ def decode(
             row.stats.schedule_time += schedule_time / len(active)
         active = _drop_finished(verifier, active)
 
+    for row in rows:  # the whole sequence, for a drafter that learns from what was committed
+        row.ctx.input_ids = row.unmasked_ids()
+        row.drafter.finish(row.ctx)
     if streamer is not None:
         streamer.end()
     if len(rows) == 1:

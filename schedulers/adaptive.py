@@ -119,21 +119,29 @@ def default_scheduler(drafter, model) -> Scheduler:
 
 class CostAwareScheduler(_Calibrated):
     """Each step, one decision costed as the whole step: which drafting stages run, then how many nodes of each row's
-    draft to verify, for the most expected emitted tokens per second of drafting and verifying together.
+    draft to verify, for the most expected emitted tokens per second of drafting and verifying together. Declining
+    (no stage, or no node verified) is one of the options, costed like the others: the engine's plain step.
 
     After drafting it picks one width w for the batch (`select_batch`): rows verify min(w, their nodes), at
-    Σ_r (E_r(min(w, k_r)) + 1) / (draft cost + verify cost(rows x width(w + 1))), since a forward feeds every row
+    Σ_r (E_r(min(w, k_r)) + 1) / (draft cost + verify cost(rows, width(w + 1))), since a forward feeds every row
     at the widest row's width (short rows padded, so up to w their nodes cost nothing more). Rows with nothing drafted
-    verify 0. Verify cost comes from a `VerifyCostModel` measured on this device at start-up (cached) and rescaled by
-    observed verify times; draft cost is the mean measured seconds of a step drafting with the stages that ran.
+    verify 0. Verify cost comes from a `VerifyCostModel` measured on this device at start-up (cached) and corrected
+    by observed verify times, per step shape; draft cost is the mean measured seconds of a step of this many rows
+    drafting with the stages that ran.
 
     Before drafting it picks how many of the drafter's stages run (`drafting_stages`; a `ChainDrafter`'s sources,
-    cheapest first): the n maximising rows (1 + T_n) / (D_n + verify cost(rows x width(W_n))), with T_n the mean
+    cheapest first): the n maximising rows (1 + T_n) / (D_n + verify cost(rows, width(W_n))), with T_n the mean
     accepted tokens per row the first n stages' nodes bring and W_n the mean widest verify they need. Both are known
     for every n up to the stages that ran, since a stage's nodes follow the earlier stages' and never change which
-    of those are accepted (`Draft.stage`). D_n is the mean drafting seconds of steps that ran n stages (0 for none;
-    one never run counts as free, so it gets tried). When fewer than all win, every `STAGE_EXPLORE`-th such step
-    still runs them all, or what the later stages add would never be measured again.
+    of those are accepted (`Draft.stage`). T_n, W_n and D_n are kept per batch size (a wider batch verifies less of
+    each row and pays more per drafter forward); a batch size not seen yet starts from the nearest one seen, D_n
+    scaled by the rows. D_n is 0 for no stage; one never run counts as free, so it gets tried.
+
+    Estimates are only corrected where they are tried, so a choice the estimates say loses (every stage when fewer
+    win, a positive width when declining wins) is still taken now and then, paid from a credit of EXPLORE_SHARE of
+    the seconds of every step so far: exploring costs what the estimates say it loses (the seconds more than the
+    best choice would take for the same tokens), so where it is dear (a wide batch) it is rare, and the whole run is
+    at most EXPLORE_SHARE slower than its estimates' best.
 
     For a multi-step drafter it also picks the number of denoising passes: each is tried for `STEP_TRIALS` steps,
     then the one with the best measured tokens per second is used, and the runner-up is retried every
@@ -143,14 +151,14 @@ class CostAwareScheduler(_Calibrated):
 
     STEP_TRIALS = 8
     STEP_EXPLORE = 16
-    STAGE_EXPLORE = 8
+    EXPLORE_SHARE = 0.02
+    ALL_STAGES = False  # run every stage at every step (what `experiments.scheduler_prior` measures)
     PRIOR_STEPS = 8  # what the shipped prior's stage statistics count as: the run's own steps soon outweigh them
     MOVING = 0.05  # a step's weight in a running mean after its first 1 / MOVING steps (machine load drifts)
 
     def __init__(self, calibration: str | None = None, costs: dict[int, float] | None = None, prior: bool = True):
         super().__init__(calibration, prior)
         self.verify_costs = VerifyCostModel(costs) if costs is not None else None
-        self._declined = self._stages_declined = 0
         self._chosen_steps, self._step_count = 1, 0
 
     def reset(self, drafter, model=None) -> None:
@@ -163,22 +171,27 @@ class CostAwareScheduler(_Calibrated):
 
     def start_pair(self, prior: dict | None) -> None:
         self._step_stats = {s: [0, 0.0] for s in range(1, self.max_steps + 1)}  # passes -> [steps, tokens per s]
-        # n stages -> [steps, accepted tokens per row, verify width] of the nodes of the first n stages
-        self._stage_gain = [[0, 0.0, 1.0] for _ in range(self.num_stages + 1)]
-        self._stage_gain[0][0] = 1  # no stage: nothing accepted, the pending token alone, surely
+        # rows -> n stages -> [steps, accepted tokens per row, verify width] of the nodes of the first n stages
+        self._stage_gain: dict[int, list[list[float]]] = {1: self._no_gain()}
         if prior is not None and len(prior["stage_tokens"]) == self.num_stages + 1:
             for n, (tokens, width) in enumerate(zip(prior["stage_tokens"], prior["stage_width"])):
-                self._stage_gain[n] = [self.PRIOR_STEPS, tokens, width]
-        self._draft_cost = [[1, 0.0]] + [[0, 0.0] for _ in range(self.num_stages)]  # n stages -> [steps, seconds]
+                self._stage_gain[1][n] = [self.PRIOR_STEPS, tokens, width]
+        self._draft_cost: dict[int, list[list[float]]] = {}  # rows -> n stages -> [steps, seconds]
+        self._credit = 0.0  # seconds exploration may still lose
+
+    def _no_gain(self) -> list[list[float]]:
+        return [[1, 0.0, 1.0]] + [[0, 0.0, 1.0] for _ in range(self.num_stages)]  # no stage: the pending token alone
 
     def prior_entry(self) -> dict:
-        """What this scheduler learned that holds on any machine, for a shipped prior (`schedulers.prior`)."""
+        """What this scheduler learned that holds on any machine, for a shipped prior (`schedulers.prior`): the
+        acceptance counts and what each stage adds at batch size 1."""
+        gain = self._stage_gain[1]
         return {
             "fingerprint": self.acceptance.fingerprint,
             "tried": self.acceptance.tried.tolist(),
             "accepted": self.acceptance.accepted.tolist(),
-            "stage_tokens": [tokens for _, tokens, _ in self._stage_gain],
-            "stage_width": [width for _, _, width in self._stage_gain],
+            "stage_tokens": [tokens for _, tokens, _ in gain],
+            "stage_width": [width for _, _, width in gain],
         }
 
     def denoising_steps(self) -> int:
@@ -193,50 +206,91 @@ class CostAwareScheduler(_Calibrated):
         return self._chosen_steps
 
     def drafting_stages(self, rows: int) -> int:
-        rate = self.expected_stage_rates(rows)
-        best = max(reversed(range(len(rate))), key=rate.__getitem__)  # a tie goes to more stages: they are measured
-        if best < self.num_stages:
-            self._stages_declined += 1
-            if self._stages_declined % self.STAGE_EXPLORE == 0:
-                best = self.num_stages
+        options = self.expected_stage_steps(rows)
+        best = max(reversed(range(len(options))), key=lambda n: _rate(options[n]))  # a tie: more stages, measured
+        if self.ALL_STAGES or (best < self.num_stages and self._explore(options[best], options[-1])):
+            best = self.num_stages
         self._stages = best
         return best
 
+    def expected_stage_steps(self, rows: int) -> list[tuple[float, float]]:
+        """(expected emitted tokens, expected seconds) of a step of `rows` rows that drafts with the first n stages,
+        n = 0..all."""
+        gain = self._gain(rows)
+        return [
+            (rows * (1 + tokens), self._draft_seconds(rows, n) + self._verify_seconds(rows, max(1, round(width))))
+            for n, (_, tokens, width) in enumerate(gain)
+        ]
+
     def expected_stage_rates(self, rows: int) -> list[float]:
         """Expected emitted tokens per second of a step of `rows` rows that drafts with the first n stages, n = 0..all."""
-        return [
-            rows * (1 + tokens) / (seconds + self.verify_costs.cost(rows * self.verify_width(max(1, round(width)))))
-            for (_, tokens, width), (_, seconds) in zip(self._stage_gain, self._draft_cost)
-        ]
+        return [_rate(option) for option in self.expected_stage_steps(rows)]
 
     def select(self, draft: Draft) -> int:
         return self.select_batch([draft])[0]
 
     def select_batch(self, drafts: list[Draft]) -> list[int]:
-        rate = self.expected_batch_rates(drafts)
-        best = max(range(len(rate)), key=rate.__getitem__)
-        if (
-            best == 0 and len(rate) > 1
-        ):  # still verify the best positive w now and then, or a bad start is never unlearned
-            self._declined += 1
-            if self._declined % 4 == 0:
-                best = max(range(1, len(rate)), key=rate.__getitem__)
+        options = self.expected_batch_steps(drafts)
+        best = max(range(len(options)), key=lambda w: _rate(options[w]))
+        if best == 0 and len(options) > 1:  # what verifying would bring is only learned by verifying
+            widest = max(range(1, len(options)), key=lambda w: _rate(options[w]))
+            if self._explore(options[0], options[widest]):
+                best = widest
         return [min(best, len(draft)) for draft in drafts]
+
+    def _explore(self, best: tuple[float, float], other: tuple[float, float]) -> bool:
+        """Take `other` instead of `best` (each (tokens, seconds)) if the credit covers what the estimates say it
+        loses, and spend that."""
+        loss = max(0.0, other[1] - other[0] / _rate(best))
+        if loss > self._credit:
+            return False
+        self._credit -= loss
+        return True
 
     def expected_rates(self, draft: Draft) -> list[float]:
         """The objective for k = 0..len(draft) of a batch of one: expected emitted tokens per second."""
         return self.expected_batch_rates([draft])
 
     def expected_batch_rates(self, drafts: list[Draft]) -> list[float]:
-        """Expected emitted tokens per second of the whole step for widths w = 0..max draft: the rows'
+        """Expected emitted tokens per second of the whole step for widths w = 0..max draft."""
+        return [_rate(option) for option in self.expected_batch_steps(drafts)]
+
+    def expected_batch_steps(self, drafts: list[Draft]) -> list[tuple[float, float]]:
+        """(expected emitted tokens, expected seconds) of the whole step for widths w = 0..max draft: the rows'
         E(min(w, k_r)) + 1 over this step's draft cost plus one forward of rows x (w + 1) tokens."""
         expected = [draft_expectation(self.acceptance, draft) for draft in drafts]
-        rows, draft_cost = len(drafts), self._draft_cost[self._stages][1]
+        rows = len(drafts)
+        draft_seconds = self._draft_seconds(rows, self._stages)
         return [
-            sum(e[min(w, len(e) - 1)] + 1 for e in expected)
-            / (draft_cost + self.verify_costs.cost(rows * self.verify_width(w + 1)))
+            (sum(e[min(w, len(e) - 1)] + 1 for e in expected), draft_seconds + self._verify_seconds(rows, w + 1))
             for w in range(max(len(d) for d in drafts) + 1)
         ]
+
+    def _verify_seconds(self, rows: int, width: int) -> float:
+        return self.verify_costs.step_cost(rows, self.verify_width(width))
+
+    def _draft_seconds(self, rows: int, stages: int) -> float:
+        """D_n: mean seconds of a step of `rows` rows drafting with `stages` stages; where none was timed at this
+        batch size, the nearest one timed, scaled by the rows (a drafter's forward grows with them); 0 if none."""
+        if stages == 0:
+            return 0.0
+        timed = [r for r, cost in self._draft_cost.items() if cost[stages][0]]
+        if not timed:
+            return 0.0
+        nearest = min(timed, key=lambda r: (abs(r - rows), r))
+        return self._draft_cost[nearest][stages][1] * rows / nearest
+
+    def _gain(self, rows: int) -> list[list[float]]:
+        """[steps, T_n, W_n] per n at this batch size; for an n never measured at it, the nearest batch size's."""
+        own = self._stage_gain.get(rows)
+        gain = []
+        for n in range(self.num_stages + 1):
+            measured = [r for r, stats in self._stage_gain.items() if stats[n][0]]
+            if own is not None and own[n][0] or not measured:
+                gain.append((own or self._stage_gain[1])[n])
+            else:
+                gain.append(self._stage_gain[min(measured, key=lambda r: (abs(r - rows), r))][n])
+        return gain
 
     def update(self, draft: Draft, accepted: list[int], draft_time: float, verify_time: float) -> None:
         self.update_batch([draft], [accepted], [draft_time], verify_time)
@@ -246,24 +300,30 @@ class CostAwareScheduler(_Calibrated):
     ) -> None:
         for draft, kept in zip(drafts, accepted):
             self.acceptance.update(draft, kept)
-        self.verify_costs.observe(len(drafts) * self.verify_width(1 + max(len(d) for d in drafts)), verify_time)
+        rows = len(drafts)
+        self.verify_costs.observe_step(rows, self.verify_width(1 + max(len(d) for d in drafts)), verify_time)
         self._observe_stages(drafts, accepted, sum(draft_times))
+        self._credit += self.EXPLORE_SHARE * (sum(draft_times) + verify_time)
         if self._stages == self.num_stages:  # passes are compared on steps that ran every stage
-            self._observe_steps(sum(map(len, accepted)) + len(drafts), sum(draft_times) + verify_time)
+            self._observe_steps(sum(map(len, accepted)) + rows, sum(draft_times) + verify_time)
 
     def _observe_stages(self, drafts: list[Draft], accepted: list[list[int]], draft_seconds: float) -> None:
-        """Fold one step into T_n and W_n for every n up to the stages that ran, and into D of those stages."""
+        """Fold one step into T_n and W_n for every n up to the stages that ran, and into D of those stages, at this
+        step's batch size."""
+        rows = len(drafts)
         if draft_seconds > 0:  # a step with no room left to draft says nothing of what drafting costs
-            _fold(self._draft_cost[self._stages], draft_seconds, moving=self.MOVING)
+            cost = self._draft_cost.setdefault(rows, [[0, 0.0] for _ in range(self.num_stages + 1)])
+            _fold(cost[self._stages], draft_seconds, moving=self.MOVING)
         if self._stages < self.num_stages:
             # Only a step that ran every stage compares them on the same text: folding the steps that ran fewer into
             # their T_n would weigh T_n by the stretches where fewer were chosen (long lookup matches), not by all.
             return
+        gain = self._stage_gain.setdefault(rows, self._no_gain())
         stages = [draft.stage_list() for draft in drafts]
         for n in range(1, self._stages + 1):
-            tokens = sum(sum(stage[node] < n for node in kept) for stage, kept in zip(stages, accepted)) / len(drafts)
+            tokens = sum(sum(stage[node] < n for node in kept) for stage, kept in zip(stages, accepted)) / rows
             width = 1 + max(sum(s < n for s in stage) for stage in stages)
-            _fold(self._stage_gain[n], tokens, width, moving=self.MOVING)
+            _fold(gain[n], tokens, width, moving=self.MOVING)
 
     def _observe_steps(self, tokens: float, seconds: float) -> None:
         """Fold one step's emitted tokens per second into the statistics of the passes it used."""
@@ -273,6 +333,11 @@ class CostAwareScheduler(_Calibrated):
         stats[0] += 1
         weight = 1 / stats[0] if stats[0] <= self.STEP_TRIALS else 0.1  # a mean while trying, then a moving one
         stats[1] += weight * (tokens / seconds - stats[1])
+
+
+def _rate(option: tuple[float, float]) -> float:
+    tokens, seconds = option
+    return tokens / seconds if seconds > 0 else float("inf")
 
 
 def _fold(stats: list, *values: float, moving: float) -> None:

@@ -10,8 +10,10 @@ other beats it by `KERNEL_MARGIN`), so a step never costs more than PyTorch's fo
 (model, dtype, device, threads), inside the first call that needs the table (`python -m experiments.verify_costs`
 measures it ahead of time instead); the table and the choice are cached on disk together and later runs read
 them in well under a millisecond. Sizes between are interpolated and beyond the table extrapolated linearly.
-During a run, observed verify times rescale the curve (machine load changes), so the table only has to get the
-shape right.
+During a run, observed verify times correct it two ways (`VerifyCostModel.observe_step`): one scale for the whole
+curve (machine load changes), and a factor per step shape, rows x width, since a batch of 8 rows 2 wide is not a
+forward of 16 positions of one sequence (each row attends to its own cache), and the one-sequence probe is noisy
+from width to width. A shape never observed takes the factor of the nearest width observed at its row count.
 """
 
 from __future__ import annotations
@@ -112,13 +114,18 @@ def _sync(model) -> None:
 
 class VerifyCostModel:
     """cost(m): expected seconds of a verify step that feeds m tokens (the pending one + m - 1 drafts);
-    kernel(m): the matrix kernel that step runs (`verifiers.kernels`; "torch" wherever none was chosen)."""
+    step_cost(rows, width): of a batched one; kernel(m): the matrix kernel a step feeding m rows in all runs
+    (`verifiers.kernels`; "torch" wherever none was chosen)."""
+
+    SCALE_RATE = 0.05
+    FACTOR_RATE = 0.2
 
     def __init__(self, costs: dict[int, float], kernels: dict[int, str] | None = None):
         self.sizes = sorted(costs)
         self.table = [costs[m] for m in self.sizes]
         self.kernels = {m: (kernels or {}).get(m, "torch") for m in self.sizes}
         self.scale = 1.0  # observed / predicted, tracked online
+        self.factors: dict[int, dict[int, float]] = {}  # rows -> width -> the shape's own factor (`observe_step`)
 
     @classmethod
     def for_model(cls, model, use_disk_cache: bool = True) -> VerifyCostModel:
@@ -148,7 +155,20 @@ class VerifyCostModel:
         path.write_text(json.dumps({"costs": dict(zip(self.sizes, self.table)), "kernels": self.kernels}))
 
     def cost(self, m: int) -> float:
-        return self.scale * self._interpolate(m)
+        """Seconds of a verify of one sequence feeding m positions."""
+        return self.step_cost(1, m)
+
+    def step_cost(self, rows: int, width: int) -> float:
+        """Seconds of a verify of `rows` sequences, each fed `width` positions (short rows padded)."""
+        return self.scale * self.shape_factor(rows, width) * self._interpolate(rows * width)
+
+    def shape_factor(self, rows: int, width: int) -> float:
+        """What observed steps of this shape took against the scaled table; the nearest observed width's at this row
+        count where this one was never observed; 1 where no step of this row count was."""
+        widths = self.factors.get(rows)
+        if not widths:
+            return 1.0
+        return widths[min(widths, key=lambda w: (abs(w - width), w))]
 
     def kernel(self, m: int) -> str:
         """The kernel a forward of m fed rows runs: a probed width's choice; between two probed widths "weight-left"
@@ -165,11 +185,22 @@ class VerifyCostModel:
         """The row counts whose products run as (W @ x.T).T: what a `Verifier` takes as `weight_left_rows`."""
         return frozenset(m for m in range(1, self.sizes[-1] + 1) if self.kernel(m) == "weight-left")
 
-    def observe(self, m: int, seconds: float, weight: float = 0.05) -> None:
-        """Fold one measured verify time into the scale (an exponential moving average of the ratio)."""
-        predicted = self._interpolate(m)
-        if predicted > 0 and seconds > 0:
-            self.scale += weight * (seconds / predicted - self.scale)
+    def observe(self, m: int, seconds: float) -> None:
+        """Fold one measured verify of one sequence feeding m positions (`observe_step`)."""
+        self.observe_step(1, m, seconds)
+
+    def observe_step(self, rows: int, width: int, seconds: float) -> None:
+        """Fold one measured verify time into the scale and this shape's factor. Both move toward the observation in
+        log space, the scale by SCALE_RATE of the miss (load is shared by every shape) and the factor by FACTOR_RATE
+        (what is left is this shape's own): a shape observed over and over ends up predicted exactly, whatever the
+        split."""
+        predicted = self.step_cost(rows, width)
+        if predicted <= 0 or seconds <= 0:
+            return
+        miss = seconds / predicted
+        self.scale *= miss**self.SCALE_RATE
+        widths = self.factors.setdefault(rows, {})
+        widths[width] = self.shape_factor(rows, width) * miss**self.FACTOR_RATE
 
     def _interpolate(self, m: int) -> float:
         sizes, table = self.sizes, self.table

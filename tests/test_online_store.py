@@ -17,6 +17,7 @@ from drafters.block_diffusion import save_model
 from drafters.online_store import OnlineStore
 from hybrid.custom_generate import generate as glue_generate
 from hybrid.testing import check_greedy_lossless
+from schedulers import FixedScheduler, Scheduler
 
 VOCAB = 48
 
@@ -122,10 +123,29 @@ def test_a_repeated_request_drafts_the_earlier_answer_and_stays_lossless(arch):
     # The store drafts the answer's continuation from the prompt and its first token on.
     tokens, n = drafter.online_store.lookup(prompt[0].tolist() + answer[:1], 16)
     assert n >= 11 and tokens == answer[1:17]
-    again = check_greedy_lossless(model, prompt, drafter, max_new_tokens=40)
+    # Every step drafts: on a tiny verifier a lookup costs a fair share of a forward, and after a first call whose
+    # drafts all failed the default scheduler explores it only now and then (test_schedulers covers that choice).
+    again = check_greedy_lossless(model, prompt, drafter, FixedScheduler(16), max_new_tokens=40)
     assert again.stats.tau > 2 * first.stats.tau
     # A related request (the same prompt, asked for more) stays lossless too.
     check_greedy_lossless(model, prompt, drafter, max_new_tokens=60)
+
+
+def test_the_store_records_the_steps_the_scheduler_did_not_draft_at():
+    """The scheduler may skip drafting at any step (no stage pays): the store still gets the whole answer, from the
+    drafter's `finish`, and the repeated request is drafted from it."""
+
+    class NeverDrafts(Scheduler):
+        def drafting_stages(self, rows):
+            return 0
+
+    model = tiny_model("llama", VOCAB, 2, seed=3)
+    drafter = hybrid.drafter_for(model)
+    prompt = torch.randint(0, VOCAB, (1, 10), generator=torch.Generator().manual_seed(4))
+    first = hybrid.generate(model, prompt, drafter=drafter, scheduler=NeverDrafts(), max_new_tokens=40, do_sample=False)
+    answer = first[0, 10:].tolist()
+    tokens, n = drafter.online_store.lookup(prompt[0].tolist() + answer[:24], 16)
+    assert n >= 11 and tokens == answer[24:40]
 
 
 def test_rows_of_a_batch_each_record_their_own_sequence():
@@ -140,7 +160,7 @@ def test_rows_of_a_batch_each_record_their_own_sequence():
         kept = prompts[row, mask[row].bool()][None]
         expected = model.generate(kept, max_new_tokens=30, do_sample=False)
         assert torch.equal(out[row, 9:], expected[0, kept.shape[1] :])
-        report = check_greedy_lossless(model, kept, drafter, max_new_tokens=30)
+        report = check_greedy_lossless(model, kept, drafter, FixedScheduler(16), max_new_tokens=30)
         assert report.stats.tau > 2
 
 
@@ -150,7 +170,10 @@ def test_the_served_drafter_keeps_one_store_across_requests():
     expected = model.generate(prompt, max_new_tokens=30, do_sample=False)
     taus = []
     for _ in range(2):
-        out, stats = glue_generate(prompt, model=model, max_new_tokens=30, do_sample=False, return_stats=True)
+        # Every step drafts (see test_a_repeated_request_drafts_the_earlier_answer_and_stays_lossless).
+        out, stats = glue_generate(
+            prompt, model=model, max_new_tokens=30, do_sample=False, return_stats=True, scheduler=FixedScheduler(16)
+        )
         assert torch.equal(out, expected)
         taus.append(stats.tau)
     from hybrid.custom_generate import cached_drafter
@@ -228,7 +251,8 @@ def test_the_experiment_compares_lookup_with_and_without_the_store_on_related_re
     from experiments.online_store import main
 
     summary = main(
-        ["--model", "tiny", "--num-prompts", "1", "--max-new-tokens", "12", "--out", str(tmp_path / "s.json")]
+        ["--model", "tiny", "--num-prompts", "1", "--max-new-tokens", "12", "--scheduler", "fixed-16"]
+        + ["--out", str(tmp_path / "s.json")]
     )
     assert summary["identical_to_generate"] and summary["requests"] == 3
     rows = summary["rows"]

@@ -94,12 +94,22 @@ def test_verify_cost_extrapolates_past_the_table_with_the_upper_half_slope():
     assert costs.cost(9) == pytest.approx(3.0 + 0.5 * 4)
 
 
-def test_cost_aware_declines_hopeless_drafts_but_keeps_probing():
+def test_cost_aware_declines_hopeless_drafts_but_keeps_probing_from_its_credit():
+    """Acceptance 0: verifying 1 node costs 1.25 s against 1 s for the pending token alone and brings nothing, a loss
+    of 0.25 s. The credit grows by EXPLORE_SHARE (2%) of each step's seconds, so the first probe (at the cheapest
+    positive k) comes once 13 steps have paid for it, and the run is at most 2% slower than declining throughout."""
     s = CostAwareScheduler(costs={1: 1.0, 17: 5.0})
     s.reset(PromptLookupDrafter(max_draft_len=16))
     s.acceptance.tried[:] = 1e6  # acceptance 0: verifying anything only costs
-    choices = [s.select(draft(8)) for _ in range(8)]
-    assert choices == [0, 0, 0, 1, 0, 0, 0, 1]  # probing at the cheapest positive k (costs grow with k)
+    choices, seconds = [], 0.0
+    for _ in range(200):
+        k = s.select(draft(8))
+        choices.append(k)
+        verify = s.verify_costs.cost(1 + k)  # as predicted: the costs stay what they are
+        seconds += verify
+        s.update(draft(8).truncate(k), [], 0.0, verify)
+    assert set(choices) == {0, 1} and choices.index(1) == 13
+    assert 14 <= choices.count(1) <= 16 and seconds <= 1.02 * 200
 
 
 def test_confidence_scheduler_cuts_where_whole_prefix_probability_drops_below_threshold():
@@ -202,6 +212,38 @@ def test_verify_cost_is_measured_and_rescaled():
     assert curve.cost(3) == pytest.approx(3.0, rel=1e-3)
 
 
+def test_verify_cost_learns_each_step_shape_on_top_of_the_shared_scale():
+    """A batch of 8 rows 2 wide is not a forward of 16 positions of one sequence: observed, each shape ends up
+    predicted as it runs; a width never observed at 8 rows takes the nearest observed width's factor, and another
+    row count only the shared scale."""
+    curve = VerifyCostModel({1: 1.0, 8: 1.0, 16: 1.1, 17: 2.0})
+    for _ in range(100):
+        curve.observe_step(8, 1, 1.0)
+        curve.observe_step(8, 2, 1.5)
+    assert curve.step_cost(8, 1) == pytest.approx(1.0, rel=1e-3) and curve.step_cost(8, 2) == pytest.approx(
+        1.5, rel=1e-3
+    )
+    assert curve.step_cost(8, 3) == pytest.approx(curve.scale * curve.shape_factor(8, 2) * curve._interpolate(24))
+    assert curve.cost(8) == pytest.approx(curve.scale * 1.0)
+
+
+def test_cost_aware_declines_a_batch_shape_it_has_seen_does_not_pay():
+    """The one-sequence table says 8 rows 2 wide cost 1.1x 8 rows 1 wide, so 8 rows each with a node accepted with
+    probability 0.3 verify it (8 x 1.3 tokens in 1.1 s beat 8 in 1 s). Observed, they take 1.5x: 10.4 / 1.5 s no
+    longer beats 8 / 1 s, and declining, the engine's plain step, is the better choice."""
+    s = CostAwareScheduler(costs={1: 1.0, 8: 1.0, 16: 1.1, 17: 2.0})
+    s.reset(PromptLookupDrafter(max_draft_len=1))
+    s.acceptance.tried[:] = 1e6
+    s.acceptance.accepted[:] = 0.3e6
+    drafts = [draft(1)] * 8
+    assert s.expected_batch_rates(drafts) == pytest.approx([8.0, 10.4 / 1.1])
+    for _ in range(100):
+        s.verify_costs.observe_step(8, 1, 1.0)
+        s.verify_costs.observe_step(8, 2, 1.5)
+    assert s.expected_batch_rates(drafts) == pytest.approx([8.0, 10.4 / 1.5], rel=1e-3)
+    assert s.select_batch(drafts) == [0] * 8  # no credit to explore with: nothing has run yet
+
+
 @pytest.mark.parametrize("bad", [-0.1, 1.5])
 def test_bad_threshold(bad):
     with pytest.raises(ValueError, match="threshold"):
@@ -297,20 +339,23 @@ def test_cost_aware_learns_what_each_stage_adds_from_the_nodes_it_proposed():
     assert entry["stage_tokens"] == [0.0, 2.0, 3.0] and entry["stage_width"] == [1.0, 3.0, 6.0]
     # Two rows, the second with nothing to copy: per row, the lookup brings 1 token, both stages 2.5; the widest row
     # needs 1 + 2 and 1 + 5 positions. Two stages cost 0.5 s of drafting; the lookup alone was never run: free.
+    # A batch of 2 is costed from what batches of 2 did, not from the step of 1 before it.
     s.update_batch([staged(2, 3), staged(0, 4)], [[0, 1, 2], [0, 1]], [0.25, 0.25], 1.0)
     rates = s.expected_stage_rates(2)
-    costs = s.verify_costs
-    assert rates == pytest.approx(
-        [2 / costs.cost(2), 2 * (1 + 1.5) / costs.cost(2 * 3), 2 * (1 + 2.75) / (0.5 + costs.cost(2 * 6))]
-    )
+    cost = s.verify_costs.step_cost
+    assert rates == pytest.approx([2 / cost(2, 1), 2 * (1 + 1.0) / cost(2, 3), 2 * (1 + 2.5) / (0.5 + cost(2, 6))])
+    # A batch of 3 starts from the nearest batch size seen (2), its drafting scaled by the rows.
+    assert s.expected_stage_rates(3)[2] == pytest.approx(3 * (1 + 2.5) / (0.75 + cost(3, 6)))
+    assert s.expected_stage_rates(1)[2] == pytest.approx((1 + 3.0) / (0.5 + cost(1, 6)))
 
 
 def test_cost_aware_drops_a_stage_whose_forward_does_not_pay_and_keeps_probing_it():
     """The lookup's 2 nodes are accepted (3 tokens in a verify of 3: 1.5 s); the second stage's 2 more too (5 tokens
-    in a verify of 5: 2 s). With its forward costing 4 s, the lookup alone wins (3 / 1.51 s against 5 / 6.01 s), and
-    every STAGE_EXPLORE-th declined step still runs both; costing 0.01 s, both win (5 / 2.02 s) at every step."""
+    in a verify of 5: 2 s). With its forward costing 4 s, the lookup alone wins (3 / 1.51 s against 5 / 6.01 s):
+    running both loses 6.01 - 5 / (3 / 1.51) = 3.49 s, paid from a credit of 2% of every step's seconds (0.03 s a
+    step), so both run again about once in 116 steps. Costing 0.01 s, both win (5 / 2.02 s) at every step."""
 
-    def run(second_cost, steps=40):
+    def run(second_cost, steps):
         s = CostAwareScheduler(costs={1: 1.0, 17: 5.0})
         s.reset(ChainDrafter([PromptLookupDrafter(max_draft_len=4), _Counting()]))
         chosen = []
@@ -318,14 +363,17 @@ def test_cost_aware_drops_a_stage_whose_forward_does_not_pay_and_keeps_probing_i
             n = s.drafting_stages(1)
             chosen.append(n)
             draft = staged(2, 2 if n == 2 else 0)
-            s.update_batch([draft], [[0, 1, 2, 3] if n == 2 else [0, 1]], [0.01 + (second_cost if n == 2 else 0)], 1.0)
+            verify = s.verify_costs.cost(1 + len(draft))  # as predicted: the costs stay what they are
+            s.update_batch(
+                [draft], [[0, 1, 2, 3] if n == 2 else [0, 1]], [0.01 + (second_cost if n == 2 else 0)], verify
+            )
         return chosen
 
-    chosen = run(second_cost=4.0)
+    chosen = run(second_cost=4.0, steps=400)
     assert chosen[:2] == [2, 1]  # both first (a tie), then the lookup alone (never timed: free), now timed
-    declined = chosen[2:]
-    assert declined.count(2) == len(declined) // CostAwareScheduler.STAGE_EXPLORE and set(declined) == {1, 2}
-    assert run(second_cost=0.01) == [2] * 40
+    probes = [i for i, n in enumerate(chosen) if n == 2][1:]
+    assert len(probes) == 3 and all(100 < later - earlier < 130 for earlier, later in zip([0, *probes], probes))
+    assert run(second_cost=0.01, steps=40) == [2] * 40
 
 
 def test_engine_runs_only_the_stages_the_scheduler_asks_for():
@@ -375,6 +423,7 @@ def test_a_scheduler_starts_from_the_shipped_prior_for_its_pair(tmp_path, monkey
     fresh = CostAwareScheduler(costs=FLAT)
     fresh.reset(drafter, model)
     assert fresh.prior == path
+    warmed.verify_costs, warmed._draft_cost = VerifyCostModel(FLAT), {}  # seconds are the machine's, not the prior's
     assert torch.allclose(fresh.acceptance.tried, warmed.acceptance.tried.clamp(max=PRIOR_OBSERVATIONS))
     for d in (staged(3, 1), draft(4, [0.9, 0.9, 0.2, 0.2]), draft(4)):
         assert fresh.acceptance.predict(d) == pytest.approx(warmed.acceptance.predict(d), abs=0.03)
