@@ -149,7 +149,13 @@ def add_generation_arguments(p: argparse.ArgumentParser) -> None:
         "--verifier",
         default=None,
         help="the verifier to train for: a transformers causal-LM folder (or a hub name, where a hub is reachable), "
-        "loaded with AutoModelForCausalLM and AutoTokenizer in float32 (default: the embedded SmolLM2-135M-Instruct)",
+        "loaded with AutoModelForCausalLM and AutoTokenizer in --dtype (default: the embedded SmolLM2-135M-Instruct)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default="float32",
+        help="the verifier's dtype for its answers and features (the drafter trains in float32 either way)",
     )
     p.add_argument("--work-dir", type=Path, default=DEFAULT_WORK_DIR, help="cache of generated data and features")
     p.add_argument("--device", default="cpu", help="torch device for the verifier and the drafter (cpu, cuda, ...)")
@@ -185,14 +191,15 @@ def add_generation_arguments(p: argparse.ArgumentParser) -> None:
 
 def load_training_verifier(args) -> tuple:
     """(verifier, tokenizer, WORK): --verifier (a folder, or a hub name passed through to from_pretrained) or the
-    embedded default, frozen, on --device; WORK is the folder under --work-dir its cached stages go to."""
+    embedded default, frozen, in --dtype on --device; WORK is the folder under --work-dir its cached stages go to."""
+    dtype = getattr(torch, args.dtype)
     if args.verifier is None:
-        verifier, tokenizer = load_verifier(args.device)
+        verifier, tokenizer = load_verifier(args.device, dtype=dtype)
     else:
         from verifiers.pretrained import load_verifier_folder
 
         try:
-            verifier, tokenizer = load_verifier_folder(args.verifier, args.device, dtype=torch.float32, hub=True)
+            verifier, tokenizer = load_verifier_folder(args.verifier, args.device, dtype=dtype, hub=True)
         except ValueError as e:
             raise SystemExit(str(e)) from None
     verifier.requires_grad_(False)
@@ -211,8 +218,10 @@ def verifier_work_dir(work_dir: Path, fingerprint: dict) -> Path:
 
 
 def training_prompts(args, verifier, tokenizer, work: Path) -> tuple[list[str], str]:
-    """The prompts the verifier answers, and the name of the folder their answers go to."""
-    length = "" if args.max_new_tokens == MAX_ANSWER_TOKENS else f"-n{args.max_new_tokens}"
+    """The prompts the verifier answers, and the name of the folder their answers go to (named by what they depend on:
+    float32 answers keep the names they have always had)."""
+    precision = "" if args.dtype == "float32" else f"-{args.dtype}"
+    length = ("" if args.max_new_tokens == MAX_ANSWER_TOKENS else f"-n{args.max_new_tokens}") + precision
     if args.prompts is not None:
         prompts = prompt_file(args.prompts)
         digest = hashlib.sha256("\n".join(prompts).encode()).hexdigest()[:8]
@@ -225,7 +234,7 @@ def training_prompts(args, verifier, tokenizer, work: Path) -> tuple[list[str], 
         verifier,
         tokenizer,
         args.synthetic_prompts,
-        work / f"synthetic-prompts-{args.synthetic_prompts}-s{args.seed}.json",
+        work / f"synthetic-prompts-{args.synthetic_prompts}-s{args.seed}{precision}.json",
         batch_size=args.gen_batch,
         seed=args.seed,
     )
@@ -270,7 +279,7 @@ def main(argv=None) -> None:
     if accelerator.num_processes > 1:
         args.device = str(accelerator.device)  # each process on its own (its GPU, or the CPU)
     verifier, tokenizer, work = load_training_verifier(args)
-    accelerator.print(f"verifier: {type(verifier).__name__}; cached stages in {work}")
+    accelerator.print(f"verifier: {type(verifier).__name__} in {verifier.dtype}; cached stages in {work}")
     t_start = time.time()
     # 1-2. The main process generates and records features alone (one set of shard files, one feature store, as one
     # process writes them); the others wait here for the folder it names.
@@ -358,6 +367,8 @@ def train(args, verifier, store: FeatureStore, out: Path, run_dir: Path, acceler
     if device.type != "cpu" and args.arch != "ar":
         store.move_hidden(device)
     embed, head = frozen_verifier_parts(verifier, vocab)
+    if embed.weight.dtype != torch.float32:  # --dtype: the drafter trains in float32, on float32 copies of them
+        embed, head = torch.nn.Embedding.from_pretrained(embed.weight.float(), freeze=True), head.float()
     model.to(device)
     norm = final_norm(verifier)
     if norm is not None and not args.init_from:  # start the output norm where the verifier's is, so its head reads it
@@ -504,6 +515,7 @@ def train(args, verifier, store: FeatureStore, out: Path, run_dir: Path, acceler
         "answer_tokens": answer_tokens,
         "sequences": len(train_ids),
         "device": str(device),
+        "verifier_dtype": str(verifier.dtype).removeprefix("torch."),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "threads": torch.get_num_threads(),
         "command": "python -m drafters.training.train " + " ".join(sys.argv[1:]),
