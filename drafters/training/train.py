@@ -4,6 +4,7 @@
     python -m drafters.training.train --arch ar    # the 1-layer AR baseline, same data and trainable budget
     python -m drafters.training.train --arch dflash  # z-lab's DFlash architecture, same data; exports a DFlash folder
     python -m drafters.training.train --verifier DIR --prompts FILE.jsonl  # a drafter for any causal LM
+    accelerate launch --multi_gpu --num_processes N -m drafters.training.train ...  # data-parallel (training.parallel)
     bash experiments/gpu_train.sh OUT              # the GPU recipe of the shipped checkpoint (these options, scaled)
 
 The shipped checkpoint (drafters/checkpoints/smollm2-135m-block) comes from the GPU recipe; its
