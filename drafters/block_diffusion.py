@@ -108,7 +108,8 @@ def verifier_fingerprint(model) -> dict:
     """What must match between a checkpoint and the verifier it is loaded for."""
     text = model.config.get_text_config()
     embedding = model.get_input_embeddings().weight.detach()
-    # Hashed in bfloat16 so the same verifier loaded in float32, bfloat16 or float16 matches.
+    # Hashed in bfloat16 so the same verifier loaded in float32 or bfloat16 matches (and in float16 when its weights are
+    # bfloat16 values within float16's range; float32 ones rounded to float16 can round to other bfloat16 values).
     data = embedding.to("cpu", torch.bfloat16).view(torch.int16).numpy().tobytes()
     return {
         "architecture": type(model).__name__,

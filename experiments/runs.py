@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 from typing import Callable
 
+from drafters.training.parallel import warn_if_started_alone
+
 
 def append_record(path: Path, record: dict) -> None:
     # One write() on an O_APPEND descriptor: lines from several processes never interleave, and an
@@ -58,13 +60,6 @@ def drop_partial_line(path: Path) -> None:
             f.truncate(data.rfind(b"\n") + 1)
 
 
-def started_alone_by_accelerate() -> bool:
-    """accelerate's CPU launcher without mpirun: it sets MASTER_PORT (only when asked for N > 1
-    processes) but starts one process, so no WORLD_SIZE reaches it."""
-    asked_cpu = os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes")
-    return asked_cpu and "MASTER_PORT" in os.environ and "WORLD_SIZE" not in os.environ
-
-
 RunShard = Callable[[int, int, set[tuple], bool], list[dict]]  # (rank, processes, done keys, show progress)
 
 
@@ -77,13 +72,7 @@ def resume_sharded(path: Path, key: Callable[[dict], tuple], run_shard: RunShard
 
     # cpu=True: the models run on the CPU, and gloo carries gather_object under any launcher.
     state = PartialState(cpu=True)  # one process unless started by `accelerate launch` or torchrun
-    if state.num_processes == 1 and started_alone_by_accelerate():
-        print(
-            "warning: `accelerate launch --cpu --num_processes N` started a single process (it needs mpirun for more); "
-            "running unsharded. For N processes on the CPU use `accelerate launch --multi_gpu --num_processes N` "
-            "or `torchrun --nproc_per_node N`",
-            file=sys.stderr,
-        )
+    warn_if_started_alone(state.num_processes, "running unsharded")
     if state.is_main_process:
         path.parent.mkdir(parents=True, exist_ok=True)
         drop_partial_line(path)

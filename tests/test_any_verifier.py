@@ -112,6 +112,28 @@ def test_a_dflash_drafter_trained_for_any_verifier_is_a_folder_its_own_code_and_
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype, loads_in", [("bfloat16", ("bfloat16", "float32")), ("float16", ("float16",))])
+def test_a_verifier_in_half_precision_trains_a_float32_drafter_for_it(world, dtype, loads_in, tmp_path, one_thread):
+    """`--dtype`: the verifier answers and gives its features in `dtype`, cached apart from its float32 ones; the
+    drafter trains in float32 and decodes losslessly for the verifier loaded in `dtype`, and, trained in bfloat16, in
+    float32 too. (Float32 weights rounded to float16 can round to other bfloat16 values than their own, so their
+    fingerprint, hashed in bfloat16, is another verifier's: a float16 drafter is for the verifier loaded in float16.)"""
+    out = tmp_path / "drafter"
+    train_for(world, "llama", "block", "--dtype", dtype, "--out", str(out))
+    model, tokenizer = load(world["folders"]["llama"])
+    work = train.verifier_work_dir(world["work"], verifier_fingerprint(model.to(getattr(torch, dtype))))
+    assert [p.name for p in work.glob(f"generated-*-{dtype}")] and [p.name for p in work.glob(f"features-*-{dtype}-*")]
+    assert json.loads((out / "training.json").read_text())["verifier_dtype"] == dtype
+    (run,) = [p for p in work.glob(f"train-block-features-*-{dtype}-*") if (p / "checkpoint.pt").exists()]
+    weights = torch.load(run / "checkpoint.pt", weights_only=False)["model"]
+    assert {w.dtype for w in weights.values() if w.is_floating_point()} == {torch.float32}
+    prompt = encode_prompt(tokenizer, "Explain glue in one line.")
+    for name in loads_in:
+        verifier = load(world["folders"]["llama"])[0].to(getattr(torch, name))
+        drafter = BlockDiffusionDrafter.from_pretrained(out, verifier, tokenizer=tokenizer)
+        check_greedy_lossless(verifier, prompt, drafter, max_new_tokens=20)
+
+
 def test_the_ar_baseline_trains_for_a_verifier_without_llama_fields(world, one_thread):
     from drafters.ar_baseline import load_ar_model
 
@@ -171,7 +193,7 @@ def test_the_embedded_verifier_given_as_a_folder_trains_as_the_built_in_path(wor
     folder = tmp_path / "saved"
     built_in[0].save_pretrained(folder)
     built_in[1].save_pretrained(folder)
-    monkeypatch.setattr(train, "load_verifier", lambda device: built_in)
+    monkeypatch.setattr(train, "load_verifier", lambda device, dtype: built_in)
     common = ["--prompts", str(world["prompts"]), *GENERATION, "--doc-tokens", "0", "--steps", "1", "--eval-every", "1"]
     common += ["--seqs-per-step", "2", "--anchors-per-seq", "4", "--block-size", "4", "--draft-vocab", "64"]
     train.main(["--work-dir", str(tmp_path / "a"), *common])

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from experiments import acceptance, methods, metrics, plots, runs
+from drafters.training.parallel import started_alone_by_accelerate
+from experiments import acceptance, methods, metrics, plots
 from experiments.acceptance import parse_args
 from experiments.acceptance.plan import make_plan, run_key
 from experiments.acceptance.report import against_fixed
@@ -303,9 +304,9 @@ def test_warns_when_accelerate_cpu_launch_started_one_process(monkeypatch):
     monkeypatch.setenv(
         "MASTER_PORT", "29500"
     )  # what `accelerate launch --cpu --num_processes 2` sets, and no WORLD_SIZE
-    assert runs.started_alone_by_accelerate()
+    assert started_alone_by_accelerate()
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert not runs.started_alone_by_accelerate()
+    assert not started_alone_by_accelerate()
 
 
 @pytest.mark.parametrize(

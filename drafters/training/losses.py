@@ -15,11 +15,15 @@ def position_weights(block_size: int, gamma: float, first_masked: torch.Tensor |
     return torch.exp(-i / gamma)
 
 
-def distill_loss(logits, targets, soft_ids, soft_probs, weights, hard_weight: float = 0.5) -> torch.Tensor:
+def distill_loss(
+    logits, targets, soft_ids, soft_probs, weights, hard_weight: float = 0.5, total: torch.Tensor | None = None
+) -> torch.Tensor:
     """Weighted mix of cross-entropy to the greedy target and to the verifier's top-k distribution.
 
     logits [N, V'] over the draft vocabulary; targets [N] (index, -1 = outside V'); soft_ids [N, K]
-    (-1 = outside V') with soft_probs [N, K]; weights [N] (0 = not a valid position).
+    (-1 = outside V') with soft_probs [N, K]; weights [N] (0 = not a valid position). The weighted sum is divided by
+    `total` (default: weights.sum()); a process of a data-parallel step passes the whole step's, so the processes'
+    losses add up to the step's loss.
     """
     logp = F.log_softmax(logits.float(), dim=-1)
     hard = -logp.gather(1, targets.clamp(min=0)[:, None])[:, 0] * (targets >= 0)
@@ -27,4 +31,5 @@ def distill_loss(logits, targets, soft_ids, soft_probs, weights, hard_weight: fl
     probs = probs / probs.sum(-1, keepdim=True).clamp(min=1e-6)
     soft = -(probs * logp.gather(1, soft_ids.clamp(min=0))).sum(-1)
     per_position = hard_weight * hard + (1 - hard_weight) * soft
-    return (per_position * weights).sum() / weights.sum().clamp(min=1e-6)
+    total = weights.sum() if total is None else total
+    return (per_position * weights).sum() / total.clamp(min=1e-6)

@@ -118,6 +118,23 @@ def block_forward(model: BlockDiffusionModel | DFlashModel, embed, head, batch) 
     return out @ head.T
 
 
+class StepLogits(torch.nn.Module):
+    """A step's forward as one module (`block_forward`, or `ar_forward` for `arch` "ar"), so that DDP, which syncs
+    gradients only through its wrapper's forward, wraps the whole of it. The verifier's frozen embedding and head are
+    kept outside the module tree: DDP neither broadcasts nor watches them."""
+
+    def __init__(self, arch: str, model, embed, head: torch.Tensor):
+        super().__init__()
+        self.arch, self.model = arch, model
+        self.frozen = (embed, head)  # a tuple, so not registered as a submodule
+
+    def forward(self, batch: dict) -> torch.Tensor:
+        embed, head = self.frozen
+        if self.arch == "ar":
+            return ar_forward(self.model, head, batch)
+        return block_forward(self.model, embed, head, batch)
+
+
 # -- the AR baseline ----------------------------------------------------------------------------------
 
 

@@ -4,6 +4,7 @@
     python -m drafters.training.train --arch ar    # the 1-layer AR baseline, same data and trainable budget
     python -m drafters.training.train --arch dflash  # z-lab's DFlash architecture, same data; exports a DFlash folder
     python -m drafters.training.train --verifier DIR --prompts FILE.jsonl  # a drafter for any causal LM
+    accelerate launch --multi_gpu --num_processes N -m drafters.training.train ...  # data-parallel (training.parallel)
     bash experiments/gpu_train.sh OUT              # the GPU recipe of the shipped checkpoint (these options, scaled)
 
 The shipped checkpoint (drafters/checkpoints/smollm2-135m-block) comes from the GPU recipe; its
@@ -36,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from accelerate.utils import broadcast_object_list
 from tqdm import tqdm
 
 from drafters.block_diffusion import (
@@ -61,14 +63,14 @@ from drafters.training.distill import (
 from drafters.training.estimate import estimate_tau, held_out_anchors, lookup_tau
 from drafters.training.losses import distill_loss, position_weights
 from drafters.training.models import (
-    ar_forward,
-    block_forward,
+    StepLogits,
     export,
     final_norm,
     initial_block_model,
     make_ar_model,
     trainable,
 )
+from drafters.training.parallel import step_share, training_accelerator
 from verifiers.embedded import cache_dir, load_verifier
 
 DEFAULT_WORK_DIR = cache_dir() / "drafter"  # $HYBRID_CACHE/drafter, else ~/.cache/hybrid/drafter
@@ -148,7 +150,13 @@ def add_generation_arguments(p: argparse.ArgumentParser) -> None:
         "--verifier",
         default=None,
         help="the verifier to train for: a transformers causal-LM folder (or a hub name, where a hub is reachable), "
-        "loaded with AutoModelForCausalLM and AutoTokenizer in float32 (default: the embedded SmolLM2-135M-Instruct)",
+        "loaded with AutoModelForCausalLM and AutoTokenizer in --dtype (default: the embedded SmolLM2-135M-Instruct)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default="float32",
+        help="the verifier's dtype for its answers and features (the drafter trains in float32 either way)",
     )
     p.add_argument("--work-dir", type=Path, default=DEFAULT_WORK_DIR, help="cache of generated data and features")
     p.add_argument("--device", default="cpu", help="torch device for the verifier and the drafter (cpu, cuda, ...)")
@@ -184,14 +192,15 @@ def add_generation_arguments(p: argparse.ArgumentParser) -> None:
 
 def load_training_verifier(args) -> tuple:
     """(verifier, tokenizer, WORK): --verifier (a folder, or a hub name passed through to from_pretrained) or the
-    embedded default, frozen, on --device; WORK is the folder under --work-dir its cached stages go to."""
+    embedded default, frozen, in --dtype on --device; WORK is the folder under --work-dir its cached stages go to."""
+    dtype = getattr(torch, args.dtype)
     if args.verifier is None:
-        verifier, tokenizer = load_verifier(args.device)
+        verifier, tokenizer = load_verifier(args.device, dtype=dtype)
     else:
         from verifiers.pretrained import load_verifier_folder
 
         try:
-            verifier, tokenizer = load_verifier_folder(args.verifier, args.device, dtype=torch.float32, hub=True)
+            verifier, tokenizer = load_verifier_folder(args.verifier, args.device, dtype=dtype, hub=True)
         except ValueError as e:
             raise SystemExit(str(e)) from None
     verifier.requires_grad_(False)
@@ -210,8 +219,10 @@ def verifier_work_dir(work_dir: Path, fingerprint: dict) -> Path:
 
 
 def training_prompts(args, verifier, tokenizer, work: Path) -> tuple[list[str], str]:
-    """The prompts the verifier answers, and the name of the folder their answers go to."""
-    length = "" if args.max_new_tokens == MAX_ANSWER_TOKENS else f"-n{args.max_new_tokens}"
+    """The prompts the verifier answers, and the name of the folder their answers go to (named by what they depend on:
+    float32 answers keep the names they have always had)."""
+    precision = "" if args.dtype == "float32" else f"-{args.dtype}"
+    length = ("" if args.max_new_tokens == MAX_ANSWER_TOKENS else f"-n{args.max_new_tokens}") + precision
     if args.prompts is not None:
         prompts = prompt_file(args.prompts)
         digest = hashlib.sha256("\n".join(prompts).encode()).hexdigest()[:8]
@@ -224,7 +235,7 @@ def training_prompts(args, verifier, tokenizer, work: Path) -> tuple[list[str], 
         verifier,
         tokenizer,
         args.synthetic_prompts,
-        work / f"synthetic-prompts-{args.synthetic_prompts}-s{args.seed}.json",
+        work / f"synthetic-prompts-{args.synthetic_prompts}-s{args.seed}{precision}.json",
         batch_size=args.gen_batch,
         seed=args.seed,
     )
@@ -265,12 +276,29 @@ def main(argv=None) -> None:
         parser().error("--init-from starts a block drafter from a checkpoint: use it with --arch block")
     if args.threads:
         torch.set_num_threads(args.threads)
+    accelerator = training_accelerator(args.device)
+    if accelerator.num_processes > 1:
+        args.device = str(accelerator.device)  # each process on its own (its GPU, or the CPU)
     verifier, tokenizer, work = load_training_verifier(args)
-    print(f"verifier: {type(verifier).__name__}; cached stages in {work}")
+    accelerator.print(f"verifier: {type(verifier).__name__} in {verifier.dtype}; cached stages in {work}")
     t_start = time.time()
-    # 1. generate
+    # 1-2. The main process generates and records features alone (one set of shard files, one feature store, as one
+    # process writes them); the others wait here for the folder it names.
+    feature_dir = data_stages(args, verifier, tokenizer, work) if accelerator.is_main_process else None
+    feature_dir = broadcast_object_list([feature_dir])[0]
+    # 3. train
+    out = args.out or work / f"{args.arch}-drafter"
+    run_dir = work / f"train-{args.arch}-{feature_dir.name}-{recipe_tag(args)}"
+    summary = train(args, verifier, FeatureStore(feature_dir), out, run_dir, accelerator)
+    summary["command_wall_minutes_this_run"] = round((time.time() - t_start) / 60, 1)
+    accelerator.print(f"done: {summary}; drafter in {out}")
+    accelerator.end_training()  # closes the process group now: torn down at exit, gloo can abort a worker
+
+
+def data_stages(args, verifier, tokenizer, work: Path) -> Path:
+    """Stages 1 and 2: the verifier's answers, then their features (the folder's name says what they depend on; a
+    DFlash drafter reads layers before the last); the feature folder."""
     gen_dir, shards = generate_stage(args, verifier, tokenizer, work)
-    # 2. features (the folder name says what they depend on); a DFlash drafter reads layers before the last
     if args.arch == "dflash":
         layers = dflash_layers(verifier)
     else:
@@ -281,12 +309,7 @@ def main(argv=None) -> None:
     if not (feature_dir / "meta.json").exists():
         sequences = load_sequences(gen_dir, tokenizer, args.doc_tokens, max_shards=shards)
         build_features(verifier, sequences, feature_dir, layers, batch_tokens=args.feature_batch_tokens)
-    # 3. train
-    out = args.out or work / f"{args.arch}-drafter"
-    run_dir = work / f"train-{args.arch}-{feature_dir.name}-{recipe_tag(args)}"
-    summary = train(args, verifier, FeatureStore(feature_dir), out, run_dir)
-    summary["command_wall_minutes_this_run"] = round((time.time() - t_start) / 60, 1)
-    print(f"done: {summary}; drafter in {out}")
+    return feature_dir
 
 
 def recipe_tag(args) -> str:
@@ -314,12 +337,22 @@ def recipe_tag(args) -> str:
     return f"s{args.seed}-" + hashlib.sha256(json.dumps(values).encode()).hexdigest()[:8]
 
 
-def train(args, verifier, store: FeatureStore, out: Path, run_dir: Path) -> dict:
-    """Stage 3: train (or resume) `args.arch` on `store`; export the drafter to `out`; return a summary."""
+def train(args, verifier, store: FeatureStore, out: Path, run_dir: Path, accelerator=None) -> dict:
+    """Stage 3: train (or resume) `args.arch` on `store`; export the drafter to `out`; return a summary.
+
+    Data-parallel under `accelerator` (drafters.training.parallel): each process trains on its share of every step's
+    sequences, and only the main one evaluates, writes checkpoints and logs, and exports."""
+    accelerator = accelerator or training_accelerator(args.device)
+    main_process, processes, print_ = accelerator.is_main_process, accelerator.num_processes, accelerator.print
     device = verifier.device
     train_ids, held = split(store)
+    if min(args.seqs_per_step, len(train_ids)) < processes:
+        raise ValueError(
+            f"--seqs-per-step {args.seqs_per_step} ({len(train_ids)} training sequences) gives {processes} processes "
+            f"less than one sequence each a step: give at least {processes}"
+        )
     answer_tokens = sum(int(store.offsets[i + 1] - store.offsets[i] - store.prompt_lens[i]) for i in train_ids)
-    print(f"data: {len(train_ids)} training sequences ({answer_tokens} answer tokens), {len(held)} held out")
+    print_(f"data: {len(train_ids)} training sequences ({answer_tokens} answer tokens), {len(held)} held out")
     vocab_size = verifier.get_input_embeddings().weight.shape[0]
     if args.arch == "dflash":  # the whole vocabulary, as the verifier's head scores it
         model = initial_dflash_model(args, verifier, store)
@@ -335,12 +368,14 @@ def train(args, verifier, store: FeatureStore, out: Path, run_dir: Path) -> dict
     if device.type != "cpu" and args.arch != "ar":
         store.move_hidden(device)
     embed, head = frozen_verifier_parts(verifier, vocab)
+    if embed.weight.dtype != torch.float32:  # --dtype: the drafter trains in float32, on float32 copies of them
+        embed, head = torch.nn.Embedding.from_pretrained(embed.weight.float(), freeze=True), head.float()
     model.to(device)
     norm = final_norm(verifier)
     if norm is not None and not args.init_from:  # start the output norm where the verifier's is, so its head reads it
         (model.model.norm if args.arch == "ar" else model.norm).weight.data.copy_(norm.weight.data)
     params = trainable(model)
-    print(f"{args.arch} drafter: {sum(p.numel() for p in params) / 1e6:.2f} M trainable parameters")
+    print_(f"{args.arch} drafter: {sum(p.numel() for p in params) / 1e6:.2f} M trainable parameters")
     optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     run_dir.mkdir(parents=True, exist_ok=True)
     ckpt_path, log_path = run_dir / "checkpoint.pt", run_dir / "log.jsonl"
@@ -352,15 +387,18 @@ def train(args, verifier, store: FeatureStore, out: Path, run_dir: Path) -> dict
         step, elapsed = state["step"], state["elapsed"]
         if args.minutes is not None:  # the step count --minutes fixed when the run began
             planned = state.get("planned_steps", args.steps)
-        print(f"resumed at step {step} of {planned} ({elapsed / 60:.1f} min of training so far)")
+        print_(f"resumed at step {step} of {planned} ({elapsed / 60:.1f} min of training so far)")
     sizing = args.minutes is not None and step < 10  # --minutes: the step count is fixed once, after step 10
     anchors = held_out_anchors(store, held[: args.eval_seqs], per_seq=8, seed=args.seed)
     if not anchors:
         raise ValueError("no held-out anchors (answers on the verifier's greedy chain): generate more data")
-    print(
+    print_(
         f"held-out: {sum(len(a) for _, a in anchors)} anchors; prompt lookup tau there "
         f"{lookup_tau(store, anchors, block_size):.2f}"
     )
+    # DDP (more than one process) wraps the whole step's forward; `model` stays the drafter itself, for the estimate,
+    # the checkpoints and the export.
+    step_logits, optimizer = accelerator.prepare(StepLogits(args.arch, model, embed, head), optimizer)
     record = {}
     model.train()
     interactive = sys.stderr.isatty()
@@ -370,6 +408,7 @@ def train(args, verifier, store: FeatureStore, out: Path, run_dir: Path) -> dict
         desc=f"train {args.arch}",
         dynamic_ncols=True,
         mininterval=0.1 if interactive else 30,
+        disable=not main_process,
     )
     t0 = time.time() - elapsed
     while step < planned:
@@ -377,6 +416,9 @@ def train(args, verifier, store: FeatureStore, out: Path, run_dir: Path) -> dict
         seqs = rng.choice(train_ids, size=min(args.seqs_per_step, len(train_ids)), replace=False)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, planned, args.lr)
+        # Every process builds the whole step's batch from the same generator and trains on its rows, so N processes
+        # take the step one process takes (the same sequences, anchors and reveals; the loss divided by the whole
+        # step's weight, times N since DDP averages the processes' gradients).
         if args.arch != "ar":  # both block drafters train on the same blocks
             batch = to_device(
                 block_batch(
@@ -384,12 +426,14 @@ def train(args, verifier, store: FeatureStore, out: Path, run_dir: Path) -> dict
                 ),
                 device,
             )
-            logits = block_forward(model, embed, head, batch)
             w = batch["loss_mask"] * position_weights(block_size, args.gamma, batch["first_masked"])
         else:
             batch = to_device(ar_batch(store, seqs, vmap), device)
-            logits = ar_forward(model, head, batch)
             w = batch["loss_mask"].float()
+        total = w.float().sum()
+        batch = step_share(batch | {"weights": w}, accelerator.process_index, processes)
+        w = batch.pop("weights")
+        logits = step_logits(batch)
         k = store.top_k
         loss = distill_loss(
             logits.reshape(-1, logits.shape[-1]),
@@ -397,22 +441,27 @@ def train(args, verifier, store: FeatureStore, out: Path, run_dir: Path) -> dict
             batch["soft_ids"].reshape(-1, k),
             batch["soft_probs"].reshape(-1, k),
             w.reshape(-1).float(),
+            total=total,
         )
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        accelerator.backward(loss * processes)
+        accelerator.clip_grad_norm_(params, 1.0)
         optimizer.step()
+        loss = accelerator.reduce(loss.detach(), reduction="sum")  # the step's loss, as one process computes it
         step += 1
         if sizing and step == 10:
             # Warm-up lasts 50 steps, so the first 10 followed the same schedule whatever the total: the run equals
-            # a `--steps planned` run.
+            # a `--steps planned` run. Every process takes the main one's count.
             per_step = (time.time() - t0) / step
-            planned = max(step + 1, int(args.minutes * 60 / per_step))
+            planned = broadcast_object_list([max(step + 1, int(args.minutes * 60 / per_step))])[0]
             bar.total = planned
-            tqdm.write(f"--minutes {args.minutes}: {per_step:.3f} s/step, so {planned} steps")
+            if main_process:
+                tqdm.write(f"--minutes {args.minutes}: {per_step:.3f} s/step, so {planned} steps")
         bar.update(1)
         bar.set_postfix(loss=f"{loss.item():.3f}", **({"tau": record["tau"]} if record else {}))
         evaluated = step % args.eval_every == 0 or step == planned
+        if not main_process:
+            continue
         if evaluated:
             tau, by_pos = estimate_tau(
                 "ar" if args.arch == "ar" else "block",  # a DFlash drafter drafts a block as the block drafter does
@@ -467,12 +516,13 @@ def train(args, verifier, store: FeatureStore, out: Path, run_dir: Path) -> dict
         "answer_tokens": answer_tokens,
         "sequences": len(train_ids),
         "device": str(device),
+        "verifier_dtype": str(verifier.dtype).removeprefix("torch."),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "threads": torch.get_num_threads(),
         "command": "python -m drafters.training.train " + " ".join(sys.argv[1:]),
         **record,
     }
-    if out.exists():
+    if main_process and out.exists():
         (out / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
