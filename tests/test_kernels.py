@@ -88,6 +88,17 @@ def test_the_block_leaves_the_modules_as_they_were_and_nests():
     assert "forward" not in vars(layer)
 
 
+def test_a_block_of_a_known_row_count_pytorch_serves_installs_nothing():
+    layer = nn.Linear(4, 4)
+    with chosen_kernels([layer], frozenset({2}), rows=1):
+        assert "forward" not in vars(layer)  # PyTorch's own product, as without the block
+    with chosen_kernels([layer], frozenset({2}), rows=2):
+        assert "forward" in vars(layer)
+    with force_kernel("weight-left"), chosen_kernels([layer], frozenset({2}), rows=1):
+        assert "forward" in vars(layer)  # forced: every row count
+    assert "forward" not in vars(layer)
+
+
 def test_a_forward_the_user_sets_during_the_block_is_kept():
     layer = nn.Linear(4, 4)
     with chosen_kernels([layer], frozenset({2})):

@@ -86,12 +86,18 @@ _LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
-def chosen_kernels(linears: list[nn.Linear], weight_left_rows: frozenset[int]):
+def chosen_kernels(linears: list[nn.Linear], weight_left_rows: frozenset[int], rows: int | None = None):
     """Within the block, `linears` compute products of `weight_left_rows` rows as (W @ x.T).T (all of them under
     `force_kernel("weight-left")`) and the rest through PyTorch. Afterwards every module is as it was: a module that
-    has gained its own `forward` meanwhile is left alone, and concurrent blocks on one model nest."""
+    has gained its own `forward` meanwhile is left alone, and concurrent blocks on one model nest.
+
+    `rows`: the row count of the block's dense products, when the caller knows it (a forward of every fed position).
+    Where PyTorch's kernel serves it, nothing is installed: installing and removing a forward on each of a model's
+    hundreds of linears costs milliseconds, a few percent of a CPU step."""
     forced = _FORCED.get()
-    if forced == "torch" or (forced is None and not weight_left_rows):
+    if forced == "torch" or (
+        forced is None and (not weight_left_rows or rows is not None and rows not in weight_left_rows)
+    ):
         yield  # nothing to change: PyTorch's own forward
         return
     token = _WEIGHT_LEFT_ROWS.set(weight_left_rows)

@@ -301,7 +301,9 @@ class Verifier:
         extra = {"logits_to_keep": logits_to_keep} if self._supports_logits_to_keep else {}
         if compiled:  # the last step's outputs are consumed: CUDA graphs may overwrite them
             torch.compiler.cudagraph_mark_step_begin()
-        with chosen_kernels(self.linears, self.weight_left_rows):
+        # Every fed position reaches every dense product (and the head, keeping all logits): that is their row count.
+        rows = input_ids.numel() if isinstance(logits_to_keep, int) and logits_to_keep == 0 else None
+        with chosen_kernels(self.linears, self.weight_left_rows, rows):
             out = call(
                 input_ids=input_ids,
                 attention_mask=mask,
