@@ -96,16 +96,24 @@ def report(args, rows: list[dict], processes: int) -> str:
         "over repeats, x plain = against plain generate",
         f"{'batch':>5}"
         + "".join(f"{m:>{widths[m]}}{'' if m == 'plain' else 'x plain':>9}" for m in args.methods)
-        + "".join(f"{regimes.short(m) + '/none':>{len(regimes.short(m)) + 7}}" for m in drafting)
+        + "".join(f"{regimes.short(m) + '/none':>{len(regimes.short(m)) + 7}}{'paired':>8}" for m in drafting)
         + "  = generate",
     ]
     for r in rows:
         lines.append(
             f"{r['batch_size']:>5}"
             + "".join(f"{speed(r, m):>{widths[m]}.1f}{against_plain(r, m):>9}" for m in args.methods)
-            + "".join(f"{ratio(speed(r, m), speed(r, 'hybrid-none')):>{len(regimes.short(m)) + 7}}" for m in drafting)
+            + "".join(
+                f"{ratio(speed(r, m), speed(r, 'hybrid-none')):>{len(regimes.short(m)) + 7}}"
+                f"{ratio(regimes.paired_median(r, m, 'hybrid-none'), 1.0):>8}"
+                for m in drafting
+            )
             + f"  {regimes.identical_text(r)}"
         )
+    lines.append(
+        "paired: the median over batches and repeats of NAME's tok/s over hybrid-none's on the same batch, run back to "
+        "back (what compares on a machine whose speed drifts)"
+    )
     for m in drafting:
         lines += drafts_add(rows, m)
     return "\n".join(lines) + "\n"

@@ -261,9 +261,35 @@ def summarize(args, records: list[dict]) -> list[dict]:
                     for m in drafting_methods(args.methods)
                     if m in methods
                 },
+                "paired": {m: paired_ratios(by_method, m) for m in drafting_methods(args.methods) if by_method.get(m)},
             }
         )
     return rows
+
+
+def paired_ratios(by_method: dict[str, list[dict]], method: str) -> dict[str, dict | None]:
+    """`method`'s tokens/s over a baseline's on the same batch in the same repeat (the methods ran back to back, so
+    a slow moment of the machine hits both), summarised over the cell's batches and repeats: median, min, max, n.
+    Against "best" (the better of the baselines on that batch) and against each baseline."""
+
+    def keyed(records):
+        return {(r["repeat"], r["batch_index"]): r["new_tokens"] / r["seconds"] for r in records}
+
+    mine = keyed(by_method[method])
+    theirs = {b: keyed(by_method.get(b, [])) for b in BASELINES}
+    result = {}
+    for against in ("best", *BASELINES):
+        ratios = []
+        for key, speed in mine.items():
+            others = [theirs[b][key] for b in BASELINES if key in theirs[b] and against in ("best", b)]
+            if others:
+                ratios.append(speed / max(others))
+        result[against] = (
+            {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "n": len(ratios)}
+            if ratios
+            else None
+        )
+    return result
 
 
 def method_summary(records: list[dict]) -> dict:
@@ -285,6 +311,11 @@ def method_summary(records: list[dict]) -> dict:
         "identical": sum(compared),
         "compared": len(compared),
     }
+
+
+def paired_median(row: dict, method: str, against: str) -> float | None:
+    paired = row.get("paired", {}).get(method, {}).get(against)
+    return None if paired is None else paired["median"]
 
 
 def identical_text(row: dict) -> str:
@@ -314,13 +345,14 @@ def table(args, rows: list[dict], processes: int) -> str:
         f"{processes} process(es) x {torch.get_num_threads()} threads; tok/s = median over repeats",
         f"{'set':<{d}}{'T':>5}{'batch':>7}"
         + "".join(f"{m:>{tok_s[m]}}" for m in args.methods)
-        + "".join(f"{short(m) + '/best':>{ratio[m]}}{'tau':>7}" for m in drafting)
+        + "".join(f"{short(m) + '/best':>{ratio[m]}}{'paired':>8}{'tau':>7}" for m in drafting)
         + "  = generate",
     ]
     for r in rows:
         speeds = "".join(f"{fmt(r['methods'].get(m, {}).get('tokens_per_s'), '.1f'):>{tok_s[m]}}" for m in args.methods)
         ratios = "".join(
             f"{fmt(r['over_best_baseline'].get(m), '.2f') + 'x':>{ratio[m]}}"
+            f"{fmt(paired_median(r, m, 'best'), '.2f') + 'x':>8}"
             f"{fmt(r['methods'].get(m, {}).get('tau'), '.2f'):>7}"
             for m in drafting
         )
@@ -328,7 +360,9 @@ def table(args, rows: list[dict], processes: int) -> str:
             f"{set_label(r['dataset']):<{d}}{r['temperature']:>5g}{r['batch_size']:>7}{speeds}{ratios}  {identical_text(r)}"
         )
     lines.append(
-        f"NAME/best: NAME's tok/s over the better of {' and '.join(BASELINES)} in the cell (> 1: its drafts pay)"
+        f"NAME/best: NAME's tok/s over the better of {' and '.join(BASELINES)} in the cell (> 1: its drafts pay); "
+        "paired: the median over the cell's batches and repeats of the same ratio on one batch, the methods run back "
+        "to back"
     )
     lines += verdicts(rows, drafting)
     if any(identical_text(r) == "n/c" for r in rows):

@@ -126,7 +126,7 @@ class CostAwareScheduler(_Calibrated):
     Σ_r (E_r(min(w, k_r)) + 1) / (draft cost + verify cost(rows, width(w + 1))), since a forward feeds every row
     at the widest row's width (short rows padded, so up to w their nodes cost nothing more). Rows with nothing drafted
     verify 0. Verify cost comes from a `VerifyCostModel` measured on this device at start-up (cached) and corrected
-    by observed verify times, per step shape; draft cost is the mean measured seconds of a step of this many rows
+    by observed verify times, per batch size; draft cost is the mean measured seconds of a step of this many rows
     drafting with the stages that ran.
 
     Before drafting it picks how many of the drafter's stages run (`drafting_stages`; a `ChainDrafter`'s sources,

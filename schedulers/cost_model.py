@@ -11,9 +11,10 @@ other beats it by `KERNEL_MARGIN`), so a step never costs more than PyTorch's fo
 measures it ahead of time instead); the table and the choice are cached on disk together and later runs read
 them in well under a millisecond. Sizes between are interpolated and beyond the table extrapolated linearly.
 During a run, observed verify times correct it two ways (`VerifyCostModel.observe_step`): one scale for the whole
-curve (machine load changes), and a factor per step shape, rows x width, since a batch of 8 rows 2 wide is not a
-forward of 16 positions of one sequence (each row attends to its own cache), and the one-sequence probe is noisy
-from width to width. A shape never observed takes the factor of the nearest width observed at its row count.
+curve (machine load changes), and a factor per batch size, since a batch of 8 rows 2 wide is not a forward of 16
+positions of one sequence (each row attends to its own cache). Widths keep the table's relative costs: a factor per
+width would lock in a noisy reading of a width that, costed too high, is never chosen and so never observed again.
+A batch size never observed takes the factor of the nearest one observed.
 """
 
 from __future__ import annotations
@@ -119,13 +120,14 @@ class VerifyCostModel:
 
     SCALE_RATE = 0.05
     FACTOR_RATE = 0.2
+    MAX_MISS = 1.5
 
     def __init__(self, costs: dict[int, float], kernels: dict[int, str] | None = None):
         self.sizes = sorted(costs)
         self.table = [costs[m] for m in self.sizes]
         self.kernels = {m: (kernels or {}).get(m, "torch") for m in self.sizes}
         self.scale = 1.0  # observed / predicted, tracked online
-        self.factors: dict[int, dict[int, float]] = {}  # rows -> width -> the shape's own factor (`observe_step`)
+        self.factors: dict[int, float] = {}  # rows -> that batch size's own factor (`observe_step`)
 
     @classmethod
     def for_model(cls, model, use_disk_cache: bool = True) -> VerifyCostModel:
@@ -163,12 +165,11 @@ class VerifyCostModel:
         return self.scale * self.shape_factor(rows, width) * self._interpolate(rows * width)
 
     def shape_factor(self, rows: int, width: int) -> float:
-        """What observed steps of this shape took against the scaled table; the nearest observed width's at this row
-        count where this one was never observed; 1 where no step of this row count was."""
-        widths = self.factors.get(rows)
-        if not widths:
+        """What observed steps of this many rows took against the scaled table (any width); the nearest observed
+        batch size's where this one was never observed; 1 before any."""
+        if not self.factors:
             return 1.0
-        return widths[min(widths, key=lambda w: (abs(w - width), w))]
+        return self.factors[min(self.factors, key=lambda r: (abs(r - rows), r))]
 
     def kernel(self, m: int) -> str:
         """The kernel a forward of m fed rows runs: a probed width's choice; between two probed widths "weight-left"
@@ -190,17 +191,16 @@ class VerifyCostModel:
         self.observe_step(1, m, seconds)
 
     def observe_step(self, rows: int, width: int, seconds: float) -> None:
-        """Fold one measured verify time into the scale and this shape's factor. Both move toward the observation in
-        log space, the scale by SCALE_RATE of the miss (load is shared by every shape) and the factor by FACTOR_RATE
-        (what is left is this shape's own): a shape observed over and over ends up predicted exactly, whatever the
-        split."""
+        """Fold one measured verify time into the scale and this batch size's factor. Both move toward the observation
+        in log space, the scale by SCALE_RATE of the miss (load is shared by every shape) and the factor by
+        FACTOR_RATE (what is left is this batch size's own), the miss clipped to MAX_MISS either way so that one
+        disturbed step moves neither far."""
         predicted = self.step_cost(rows, width)
         if predicted <= 0 or seconds <= 0:
             return
-        miss = seconds / predicted
+        miss = min(max(seconds / predicted, 1 / self.MAX_MISS), self.MAX_MISS)
         self.scale *= miss**self.SCALE_RATE
-        widths = self.factors.setdefault(rows, {})
-        widths[width] = self.shape_factor(rows, width) * miss**self.FACTOR_RATE
+        self.factors[rows] = self.shape_factor(rows, width) * miss**self.FACTOR_RATE
 
     def _interpolate(self, m: int) -> float:
         sizes, table = self.sizes, self.table
