@@ -162,9 +162,9 @@ class VerifyCostModel:
 
     def step_cost(self, rows: int, width: int) -> float:
         """Seconds of a verify of `rows` sequences, each fed `width` positions (short rows padded)."""
-        return self.scale * self.shape_factor(rows, width) * self._interpolate(rows * width)
+        return self.scale * self.batch_factor(rows) * self._interpolate(rows * width)
 
-    def shape_factor(self, rows: int, width: int) -> float:
+    def batch_factor(self, rows: int) -> float:
         """What observed steps of this many rows took against the scaled table (any width); the nearest observed
         batch size's where this one was never observed; 1 before any."""
         if not self.factors:
@@ -200,7 +200,7 @@ class VerifyCostModel:
             return
         miss = min(max(seconds / predicted, 1 / self.MAX_MISS), self.MAX_MISS)
         self.scale *= miss**self.SCALE_RATE
-        self.factors[rows] = self.shape_factor(rows, width) * miss**self.FACTOR_RATE
+        self.factors[rows] = self.batch_factor(rows) * miss**self.FACTOR_RATE
 
     def _interpolate(self, m: int) -> float:
         sizes, table = self.sizes, self.table
