@@ -29,12 +29,10 @@ SETTINGS=(--gen-shards 3 --gen-batch 8 --max-new-tokens 64 --doc-tokens 2000 --s
 
 echo "== 1. the embedded verifier saved as a plain folder: $OUT/smollm2-folder"
 "${PIN[@]}" python - "$OUT/smollm2-folder" "$THREADS" <<'PY' 2>&1 | quiet
-import copy
 import sys
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM
 
 from verifiers.embedded import load_verifier
 
@@ -43,17 +41,7 @@ torch.set_num_threads(threads)
 if (out / "config.json").exists():
     print(f"already there: {sorted(p.name for p in out.iterdir())}")
 else:
-    loaded, tokenizer = load_verifier("cpu", dtype=torch.float32)
-    # The cached conversion's config.json still carries the GGUF file's quantization_config, so transformers loads
-    # it as a GGUF-quantized model and save_pretrained refuses it: copy its float32 weights into a fresh model built
-    # from the config without that entry (as verifiers.embedded.convert does with the GGUF-loaded one).
-    config = copy.deepcopy(loaded.config)
-    print(f"cached config's quantization_config: {getattr(config, 'quantization_config', None)}")
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(loaded.state_dict())
-    model.generation_config = loaded.generation_config
+    model, tokenizer = load_verifier("cpu", dtype=torch.float32)
     tmp = out.with_name(out.name + ".part")
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)

@@ -116,7 +116,9 @@ def decode(
 
     # Prefill: the first new token of every row is the verifier's, exactly as in `generate`.
     logits = verifier.prefill_rows(
-        [row.prompt_tokens for row in rows], max_length + drafter.node_budget + 1, [row.mask for row in rows]
+        [row.prompt_tokens for row in rows],
+        max_length + drafter.node_budget + 1 + verifier.max_padding,
+        [row.mask for row in rows],
     )
     for row, row_logits in zip(rows, logits):
         scores = process_logits(row.processors, row.ids, row_logits)
@@ -268,15 +270,40 @@ def _verify(verifier: Verifier, active: list[_Row], rejection: bool, choose, gen
     parents = [row.draft.parent_list() for row in active] if trees else None
     # [rows, width, vocab]: the verifier's view after each fed token and what it continues
     logits = verifier.verify_rows(fed, real=[1 + len(row.draft) for row in active], parents=parents)
+    pending = _pending_scores(active, logits)
     # The cache keeps every committed token but the newest: the pending token and the accepted path.
     verifier.keep_rows(
-        [_accept(row, row_logits, rejection, choose, generator) for row, row_logits in zip(active, logits)]
+        [
+            _accept(row, row_logits, row_pending, rejection, choose, generator)
+            for row, row_logits, row_pending in zip(active, logits, pending)
+        ]
     )
 
 
-def _accept(row: _Row, logits: torch.Tensor, rejection: bool, choose, generator) -> list[int]:
-    """Walk the row's draft from the pending token: at each position the acceptance rule gives the token to emit,
-    and the walk goes on into the child that proposed it. Returns the fed offsets the cache keeps.
+def _pending_scores(active: list[_Row], logits: torch.Tensor) -> list[torch.Tensor]:
+    """Each row's processed scores [vocab] after its pending token. Rows that hold one processors list (`generate`
+    gives every row the same one when its processors are row-wise) and have one length are processed in one call,
+    as `generate` processes its batch: a processor's cost barely depends on the rows it is given."""
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, row in enumerate(active):
+        groups.setdefault((id(row.processors), row.ids.shape[1]), []).append(i)
+    scores: list[torch.Tensor | None] = [None] * len(active)
+    for members in groups.values():
+        first = active[members[0]]
+        if len(members) == 1 or not first.processors:
+            for i in members:
+                scores[i] = process_logits(active[i].processors, active[i].ids, logits[i, 0])
+            continue
+        ids = torch.cat([active[i].ids for i in members])
+        for i, row_scores in zip(members, first.processors(ids, logits[members, 0])):
+            scores[i] = row_scores
+    return scores
+
+
+def _accept(row: _Row, logits: torch.Tensor, pending: torch.Tensor, rejection: bool, choose, generator) -> list[int]:
+    """Walk the row's draft from the pending token (whose processed scores are `pending`): at each position the
+    acceptance rule gives the token to emit, and the walk goes on into the child that proposed it. Returns the fed
+    offsets the cache keeps.
 
     Every emitted token but a rejection-sampling correction is the verifier's own `choose`, in sequence order."""
     draft = row.draft
@@ -286,7 +313,7 @@ def _accept(row: _Row, logits: torch.Tensor, rejection: bool, choose, generator)
     tokens = draft.tokens.tolist()
     at, path, accepted = 0, [0], []  # the fed offset walked to, the offsets walked, the nodes accepted
     while True:
-        scores = process_logits(row.processors, row.ids, logits[at])
+        scores = pending if at == 0 else process_logits(row.processors, row.ids, logits[at])
         kids = children.get(at, [])
         if not kids:  # the end of a branch: the bonus token comes from the verifier alone
             token, node = choose(scores), None

@@ -22,8 +22,9 @@ from hybrid.engine import decode
 from hybrid.stats import GenerationStats
 from schedulers.adaptive import default_scheduler
 from schedulers.base import Scheduler
-from schedulers.cost_model import weight_left_rows
+from schedulers.cost_model import forward_costs, weight_left_rows
 from verifiers.cache import foreign_cache_reason
+from verifiers.logits import shared_processors
 from verifiers.verifier import Verifier, check_causal_lm
 
 # `generate` arguments outside GenerationConfig that this engine honours.
@@ -278,6 +279,7 @@ def generate(
         max_width=1 + (drafter.node_budget if drafter is not None else 0),
         compile_config=_compile_config(model, config) if static else None,
         weight_left_rows=weight_left_rows(model),  # the cached choice, never a measurement inside this call
+        forward_costs=forward_costs(model),
     )
     _check_context(verifier, prompt_len, config.max_length)
     verifier.check_masks([None] * batch if attention_mask is None else list(attention_mask))
@@ -305,6 +307,9 @@ def generate(
             model_kwargs={"attention_mask": row_mask},
         )
         prompts.append((input_ids[r : r + 1], None if row_mask is None else row_mask[0], processors))
+    shared = shared_processors([processors for _, _, processors in prompts])
+    if shared is not None:  # one list for every row: the engine then processes aligned rows in one call
+        prompts = [(ids, mask, shared) for ids, mask, _ in prompts]
     stopping = model._get_stopping_criteria(
         generation_config=config,
         stopping_criteria=call["stopping_criteria"] or StoppingCriteriaList(),

@@ -267,7 +267,7 @@ class CostAwareScheduler(_Calibrated):
         ]
 
     def _verify_seconds(self, rows: int, width: int) -> float:
-        return self.verify_costs.step_cost(rows, self.verify_width(width))
+        return self.verify_costs.step_cost(rows, self.verify_width(width, rows))
 
     def _draft_seconds(self, rows: int, stages: int) -> float:
         """D_n: mean seconds of a step of `rows` rows drafting with `stages` stages; where none was timed at this
@@ -301,7 +301,7 @@ class CostAwareScheduler(_Calibrated):
         for draft, kept in zip(drafts, accepted):
             self.acceptance.update(draft, kept)
         rows = len(drafts)
-        self.verify_costs.observe_step(rows, self.verify_width(1 + max(len(d) for d in drafts)), verify_time)
+        self.verify_costs.observe_step(rows, self.verify_width(1 + max(len(d) for d in drafts), rows), verify_time)
         self._observe_stages(drafts, accepted, sum(draft_times))
         self._credit += self.EXPLORE_SHARE * (sum(draft_times) + verify_time)
         if self._stages == self.num_stages:  # passes are compared on steps that ran every stage

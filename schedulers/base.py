@@ -5,7 +5,7 @@ from __future__ import annotations
 from drafters.base import Draft
 
 
-def unpadded(m: int) -> int:
+def unpadded(m: int, rows: int = 1) -> int:
     return m
 
 
@@ -25,9 +25,11 @@ class Scheduler:
         self.num_stages = len(drafter.stages)
 
     def set_verify_width(self, width) -> None:
-        """Told by the engine after `reset`: a verify of m tokens runs a forward `width(m)` positions wide. The
-        static-shape path pads to a few widths (`verifiers.verifier.static_width`), so drafts up to the padded
-        width cost nothing more to verify; otherwise width(m) = m. Cost-aware schedulers charge the padded width."""
+        """Told by the engine after `reset`: a verify of m tokens in each of `rows` rows runs a forward
+        `width(m, rows)` positions wide. The static-shape path pads to a few widths (`verifiers.verifier
+        .static_width`), so drafts up to the padded width cost nothing more to verify; an eager one pads by a
+        position where the machine measured that cheaper (`verifiers.verifier.cheaper_width`); otherwise
+        width(m, rows) = m. Cost-aware schedulers charge the padded width."""
         self.verify_width = width
 
     def max_draft_length(self) -> int:

@@ -225,3 +225,10 @@ def weight_left_rows(model) -> frozenset[int]:
     table is cached, so a plain step is never slower than `generate`'s and never waits for a measurement."""
     table = VerifyCostModel.cached(model) if cpu_linears(model) else None
     return frozenset() if table is None else table.weight_left_rows()
+
+
+def forward_costs(model) -> dict[int, float]:
+    """The cached table's seconds of a forward feeding n tokens, by n, through the kernels chosen for it: what a
+    `Verifier` takes as `forward_costs`; empty while no table is cached (nothing is measured here)."""
+    table = VerifyCostModel.cached(model) if cpu_linears(model) else None
+    return {} if table is None else dict(zip(table.sizes, table.table))

@@ -1,4 +1,5 @@
-"""Property: a batch (left-padded, any lengths) gives, row by row, exactly what batch-1 calls give."""
+"""Property: a batch (left-padded, any lengths) gives, row by row, exactly what batch-1 calls give, with the logits
+processors `generate` builds, which a batch's rows of one length run in one call."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from hypothesis import strategies as st
 from strategies import cache_layouts, drafters_for, padded_batches, verifiers
 
 import hybrid
+from hybrid.testing import tiny_model
 
 PROPERTY = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 PAD = 0
@@ -27,6 +29,11 @@ def test_batch_rows_equal_batch_one_outputs(data):
         "do_sample": False,
         "eos_token_id": eos,
         "pad_token_id": PAD,
+        # Row-wise processors (one list for every row, aligned rows processed together) and one that is not (the
+        # repetition penalty holds each row's prompt padding: every row keeps its own list).
+        "min_new_tokens": data.draw(st.sampled_from([None, 3, 30]), label="min_new_tokens"),
+        "no_repeat_ngram_size": data.draw(st.sampled_from([None, 2]), label="no_repeat_ngram_size"),
+        "repetition_penalty": data.draw(st.sampled_from([None, 1.5]), label="repetition_penalty"),
     }
 
     static = data.draw(cache_layouts(model), label="cache_implementation")
@@ -34,10 +41,43 @@ def test_batch_rows_equal_batch_one_outputs(data):
         model, input_ids, attention_mask=mask, drafter=drafter, cache_implementation=static, **settings_
     )
     assert batch.shape[0] == len(rows) and torch.equal(batch[:, :width], input_ids)
+    # Processors that read the ids see a row's left padding, in `generate` too: such a row is compared with its
+    # padded self alone, any other with the row as its user would pass it alone.
+    reads_padding = settings_["no_repeat_ngram_size"] or settings_["repetition_penalty"]
     for r, row in enumerate(rows):
-        row_mask = mask[r : r + 1, width - len(row) :]  # the masked tokens inside the row, if any
-        alone = hybrid.generate(model, torch.tensor([row]), attention_mask=row_mask, drafter=drafter, **settings_)
-        alone = alone[0, len(row) :]
+        if reads_padding:
+            row_ids, row_mask = input_ids[r : r + 1], mask[r : r + 1]
+        else:
+            row_ids, row_mask = torch.tensor([row]), mask[r : r + 1, width - len(row) :]  # its inner holes, if any
+        alone = hybrid.generate(model, row_ids, attention_mask=row_mask, drafter=drafter, **settings_)
+        alone = alone[0, row_ids.shape[1] :]
         new = batch[r, width:]
         assert torch.equal(new[: len(alone)], alone), f"row {r}"
         assert bool((new[len(alone) :] == PAD).all()), f"row {r} is padded after it finished"
+
+
+def test_rows_share_one_processors_list_only_when_every_processor_is_row_wise():
+    from transformers import GenerationConfig, LogitsProcessorList
+
+    from verifiers.logits import shared_processors
+
+    model = tiny_model("llama", 64, 1, 0)
+    ids, mask = torch.tensor([[PAD, 5, 6], [7, 8, 9]]), torch.tensor([[0, 1, 1], [1, 1, 1]])
+
+    def row_lists(**config):
+        config = GenerationConfig(**config, pad_token_id=PAD)
+        return [
+            model._get_logits_processor(
+                generation_config=config,
+                input_ids_seq_length=3,
+                encoder_input_ids=ids[r : r + 1],
+                logits_processor=LogitsProcessorList(),
+                device=ids.device,
+                model_kwargs={"attention_mask": mask[r : r + 1]},
+            )
+            for r in range(2)
+        ]
+
+    lists = row_lists(min_new_tokens=4, eos_token_id=3, do_sample=True, top_k=5, temperature=0.7)
+    assert shared_processors(lists) is lists[0]
+    assert shared_processors(row_lists(repetition_penalty=1.3)) is None  # holds each row's prompt padding

@@ -10,6 +10,7 @@ import pytest
 import hybrid
 from drafters import BlockDiffusionDrafter, ChainDrafter, PromptLookupDrafter
 from hybrid.cli import main as cli_main
+from hybrid.default import DRAFTER_DIR
 from hybrid.testing import check_greedy_lossless
 from schedulers import FixedScheduler
 from verifiers.prompts import encode_prompt
@@ -27,6 +28,17 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def default():
     return hybrid.load_default()
+
+
+def test_the_embedded_verifier_saves_as_a_plain_folder_the_shipped_drafter_loads_for(default, tmp_path):
+    from verifiers.pretrained import load_verifier_folder
+
+    model, tokenizer, _ = default
+    model.save_pretrained(tmp_path)  # a float32 checkpoint: nothing of the GGUF's quantisation is left in its config
+    tokenizer.save_pretrained(tmp_path)
+    folder, _ = load_verifier_folder(tmp_path)
+    assert not hasattr(folder.config, "quantization_config")
+    BlockDiffusionDrafter.from_pretrained(DRAFTER_DIR, folder)  # the same verifier by fingerprint
 
 
 def test_load_default_is_smollm2_with_the_shipped_block_drafter(default):

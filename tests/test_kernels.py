@@ -236,3 +236,38 @@ def test_verify_costs_prints_both_curves_and_each_widths_kernel(capsys, tmp_path
     assert list(tmp_path.glob("costs/*.json"))
     with pytest.raises(SystemExit):
         verify_costs.main(["--model", "tiny", "--rounds", "0"])
+
+
+def test_a_verify_is_padded_by_a_position_only_where_the_table_says_that_is_cheaper():
+    from verifiers.verifier import cheaper_width
+
+    costs = {1: 2.0, 2: 1.0, 3: 1.5, 4: 1.6, 6: 1.0}
+    assert [cheaper_width(m, 1, costs) for m in (1, 2, 3, 5)] == [2, 2, 3, 5]  # 5: no cost of 5 or 6 fed tokens
+    assert cheaper_width(3, 2, costs) == 3  # 2 rows x 3 = 6 fed, 2 x 4 = 8 not measured
+    assert cheaper_width(1, 3, costs) == 2 and cheaper_width(2, 2, costs) == 3  # 3 -> 6 and 4 -> 6 fed tokens
+    assert cheaper_width(1, 1, {1: 1.0, 2: 0.97}) == 1  # within the margin: not padded
+    assert cheaper_width(1, 1, {}) == 1
+
+
+def every_forward_padded():
+    """hybrid.generate told by the machine's table that one more position per row always costs less."""
+    return mock.patch("hybrid.generate.forward_costs", lambda model: {n: 1.0 / n for n in range(1, 400)})
+
+
+def test_a_padded_one_token_step_feeds_two_positions_and_gives_generates_output():
+    model = tiny_model("llama", 48, 2, seed=3)
+    widths = []
+    hook = model.register_forward_pre_hook(
+        lambda _, args, kwargs: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
+    with every_forward_padded():
+        out = hybrid.generate(model, IDS, drafter=None, max_new_tokens=12, do_sample=False)
+    hook.remove()
+    assert widths[0] == IDS.shape[1] and set(widths[1:]) == {2}  # the prefill, then each step padded to 2
+    assert torch.equal(out, model.generate(IDS, max_new_tokens=12, do_sample=False))
+
+
+@pytest.mark.parametrize("prop", [greedy_property, batch_property], ids=["greedy", "batch"])
+def test_greedy_properties_hold_with_every_verify_padded(prop):
+    with every_forward_padded():
+        KERNEL_PROPERTY(given(data=st.data())(prop.hypothesis.inner_test))()

@@ -69,7 +69,7 @@ def test_cost_aware_charges_the_padded_width_on_the_static_path():
     the engine's own static path tells the scheduler so."""
     s = CostAwareScheduler(costs={1: 1.0, 17: 5.0})
     s.reset(PromptLookupDrafter(max_draft_len=16))
-    s.set_verify_width(lambda m: static_width(m, 17))
+    s.set_verify_width(lambda m, rows=1: static_width(m, 17))
     s.acceptance.tried[:] = 1e6
     s.acceptance.accepted[:] = 0.9e6
     assert s.expected_rates(draft(16))[7] == pytest.approx(2.071, abs=1e-3)

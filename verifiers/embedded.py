@@ -9,6 +9,7 @@ folder, so later loads take about a second.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -76,14 +77,26 @@ def convert(gguf: Path, out_dir: Path) -> None:
     print(f"hybrid: converting {gguf.name} to float32 safetensors in {out_dir} (once, ~25 s)", file=sys.stderr)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    # save_pretrained refuses a GGUF-loaded model: copy its weights into a fresh one first.
-    model = AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32)
+    # save_pretrained refuses a GGUF-loaded model: copy its weights into a fresh one, whose config says nothing of
+    # the GGUF's quantisation (the checkpoint is plain float32, and a user may save_pretrained it again).
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(loaded.state_dict())
     model.generation_config = loaded.generation_config
     tmp = out_dir.with_name(out_dir.name + ".part")
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     tmp.rename(out_dir)
+
+
+def drop_quantization_config(path: Path) -> None:
+    """Remove the GGUF's quantization_config from a cached float32 conversion's config, where a conversion kept it:
+    transformers would load the checkpoint as GGUF-quantised, and save_pretrained would refuse it."""
+    config = json.loads(path.read_text())
+    if config.pop("quantization_config", None) is not None:
+        path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def load_verifier(device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, device_map=None):
@@ -94,6 +107,7 @@ def load_verifier(device: str | torch.device = "cpu", dtype: torch.dtype = torch
     model_dir = cache_dir() / MODEL_NAME
     if not (model_dir / "config.json").exists():
         convert(find_gguf(), model_dir)
+    drop_quantization_config(model_dir / "config.json")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     if device_map is not None:
         return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, device_map=device_map).eval(), tokenizer

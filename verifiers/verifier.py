@@ -61,6 +61,9 @@ class Verifier:
         weight_left_rows: the row counts (fed tokens x rows) whose plain float32 CPU linear products run as
             (W @ x.T).T, where the machine's cost table measured that faster (`verifiers.kernels`,
             `schedulers.cost_model.weight_left_rows`); every other product runs PyTorch's own kernel.
+        forward_costs: the machine's measured seconds of a forward feeding n tokens (`schedulers.cost_model
+            .forward_costs`; empty: none cached). An eager verify is padded by one position per row where that
+            forward costs PAD_MARGIN less (on some CPUs a weight-left product of 2 rows beats PyTorch's of 1).
     """
 
     def __init__(
@@ -72,6 +75,7 @@ class Verifier:
         max_width: int = 1,
         compile_config=None,
         weight_left_rows: frozenset[int] = frozenset(),
+        forward_costs: dict[int, float] | None = None,
     ):
         check_causal_lm(model, role)
         text = model.config.get_text_config()
@@ -119,6 +123,8 @@ class Verifier:
         # (`verifiers.kernels`); a compiled step keeps the kernels it was traced with.
         self.linears = cpu_linears(model) if compile_config is None else []
         self.weight_left_rows = frozenset(weight_left_rows)
+        # The one-position padding is for eager forwards, whose kernels follow the row count.
+        self.forward_costs = dict(forward_costs or {}) if compile_config is None and not static else {}
         self.cache: SharedCache | None = None
 
     def compiled(self, module):
@@ -206,11 +212,11 @@ class Verifier:
         real = [tokens.shape[1]] * tokens.shape[0] if real is None else real
         if parents is not None and not self.takes_trees:
             raise ValueError(f"{type(self.model).__name__} takes no tree masks ({self.row_mask_problem})")
-        width = self.padded_width(tokens.shape[1])
-        tree = None if parents is None else tree_layout(parents, width, self.model.device)
-        if not self.static:
-            return self._forward(tokens, real, logits_to_keep=0, tree=tree)
         m = tokens.shape[1]
+        width = self.padded_width(m, tokens.shape[0])
+        tree = None if parents is None else tree_layout(parents, width, self.model.device)
+        if width == m:
+            return self._forward(tokens, real, logits_to_keep=0, call=self.step_call, tree=tree)
         # Padded with the last token: its slots lie past what any row keeps, so they are dropped at once.
         padded = torch.cat([tokens, tokens[:, -1:].expand(-1, width - m)], dim=1)
         logits = self._forward(padded, real, logits_to_keep=0, call=self.step_call, tree=tree)
@@ -223,16 +229,23 @@ class Verifier:
         return self.row_mask_problem is None
 
     def width_rule(self):
-        """`padded_width` as a plain function of m that holds no reference to this verifier or its model (a
+        """`padded_width` as a plain function of (m, rows) that holds no reference to this verifier or its model (a
         scheduler kept per model by weak reference keeps it: a bound method would keep the model alive)."""
-        if not self.static:
-            return int
-        max_width = self.max_width
-        return lambda m: static_width(m, max_width)
+        if self.static:
+            max_width = self.max_width
+            return lambda m, rows=1: static_width(m, max_width)
+        costs = self.forward_costs
+        return lambda m, rows=1: cheaper_width(m, rows, costs)
 
-    def padded_width(self, m: int) -> int:
-        """Positions a verify of m tokens runs: m, or on the static path the width it is padded to."""
-        return static_width(m, self.max_width) if self.static else m
+    def padded_width(self, m: int, rows: int = 1) -> int:
+        """Positions per row a verify of m tokens in each of `rows` rows runs: on the static path the width it is
+        padded to; else m, or m + 1 where the machine's forward of one more position per row is cheaper."""
+        return static_width(m, self.max_width) if self.static else cheaper_width(m, rows, self.forward_costs)
+
+    @property
+    def max_padding(self) -> int:
+        """The most positions `padded_width` adds to a verify of the widest draft (cache slots the rows need)."""
+        return 1 if self.forward_costs else 0
 
     def rollback_rows(self, drop: list[int]) -> None:
         """Forget the last drop[b] cached tokens of row b (rejected drafts)."""
@@ -320,6 +333,17 @@ class Verifier:
         # As `generate`: float32 logits where the inputs are (the first GPU under device_map="auto"); a compiled
         # step's copy outlives the graph's output buffer.
         return out.logits.to(device=input_ids.device, dtype=torch.float32, copy=compiled)
+
+
+# A forward is padded by a position only where that is clearly cheaper than the unpadded one, not within noise.
+PAD_MARGIN = 0.05
+
+
+def cheaper_width(m: int, rows: int, forward_costs: dict[int, float]) -> int:
+    """m + 1 where `forward_costs` measured a forward of rows x (m + 1) tokens PAD_MARGIN cheaper than one of
+    rows x m, else m."""
+    fed, wider = forward_costs.get(rows * m), forward_costs.get(rows * (m + 1))
+    return m + 1 if fed is not None and wider is not None and wider < (1 - PAD_MARGIN) * fed else m
 
 
 def static_width(m: int, max_width: int) -> int:
