@@ -139,9 +139,10 @@ class CostAwareScheduler(_Calibrated):
 
     Estimates are only corrected where they are tried, so a choice the estimates say loses (every stage when fewer
     win, a positive width when declining wins) is still taken now and then, paid from a credit of EXPLORE_SHARE of
-    the seconds of every step so far: exploring costs what the estimates say it loses (the seconds more than the
-    best choice would take for the same tokens), so where it is dear (a wide batch) it is rare, and the whole run is
-    at most EXPLORE_SHARE slower than its estimates' best.
+    the seconds of every step so far at the same batch size: exploring costs what the estimates say it loses (the
+    seconds more than the best choice would take for the same tokens), so where it is dear (a wide batch) it is
+    rare, and each batch size runs at most EXPLORE_SHARE slower than its estimates' best (what a long run at batch 1
+    saved is not spent on a batch of 8, where one probe costs several cheap steps).
 
     For a multi-step drafter it also picks the number of denoising passes: each is tried for `STEP_TRIALS` steps,
     then the one with the best measured tokens per second is used, and the runner-up is retried every
@@ -177,7 +178,7 @@ class CostAwareScheduler(_Calibrated):
             for n, (tokens, width) in enumerate(zip(prior["stage_tokens"], prior["stage_width"])):
                 self._stage_gain[1][n] = [self.PRIOR_STEPS, tokens, width]
         self._draft_cost: dict[int, list[list[float]]] = {}  # rows -> n stages -> [steps, seconds]
-        self._credit = 0.0  # seconds exploration may still lose
+        self._credit: dict[int, float] = {}  # rows -> seconds exploration may still lose at that batch size
 
     def _no_gain(self) -> list[list[float]]:
         return [[1, 0.0, 1.0]] + [[0, 0.0, 1.0] for _ in range(self.num_stages)]  # no stage: the pending token alone
@@ -208,7 +209,7 @@ class CostAwareScheduler(_Calibrated):
     def drafting_stages(self, rows: int) -> int:
         options = self.expected_stage_steps(rows)
         best = max(reversed(range(len(options))), key=lambda n: _rate(options[n]))  # a tie: more stages, measured
-        if self.ALL_STAGES or (best < self.num_stages and self._explore(options[best], options[-1])):
+        if self.ALL_STAGES or (best < self.num_stages and self._explore(rows, options[best], options[-1])):
             best = self.num_stages
         self._stages = best
         return best
@@ -234,17 +235,17 @@ class CostAwareScheduler(_Calibrated):
         best = max(range(len(options)), key=lambda w: _rate(options[w]))
         if best == 0 and len(options) > 1:  # what verifying would bring is only learned by verifying
             widest = max(range(1, len(options)), key=lambda w: _rate(options[w]))
-            if self._explore(options[0], options[widest]):
+            if self._explore(len(drafts), options[0], options[widest]):
                 best = widest
         return [min(best, len(draft)) for draft in drafts]
 
-    def _explore(self, best: tuple[float, float], other: tuple[float, float]) -> bool:
-        """Take `other` instead of `best` (each (tokens, seconds)) if the credit covers what the estimates say it
-        loses, and spend that."""
+    def _explore(self, rows: int, best: tuple[float, float], other: tuple[float, float]) -> bool:
+        """Take `other` instead of `best` (each (tokens, seconds) of a step of `rows` rows) if the credit at this
+        batch size covers what the estimates say it loses, and spend that."""
         loss = max(0.0, other[1] - other[0] / _rate(best))
-        if loss > self._credit:
+        if loss > self._credit.get(rows, 0.0):
             return False
-        self._credit -= loss
+        self._credit[rows] -= loss
         return True
 
     def expected_rates(self, draft: Draft) -> list[float]:
@@ -303,7 +304,7 @@ class CostAwareScheduler(_Calibrated):
         rows = len(drafts)
         self.verify_costs.observe_step(rows, self.verify_width(1 + max(len(d) for d in drafts), rows), verify_time)
         self._observe_stages(drafts, accepted, sum(draft_times))
-        self._credit += self.EXPLORE_SHARE * (sum(draft_times) + verify_time)
+        self._credit[rows] = self._credit.get(rows, 0.0) + self.EXPLORE_SHARE * (sum(draft_times) + verify_time)
         if self._stages == self.num_stages:  # passes are compared on steps that ran every stage
             self._observe_steps(sum(map(len, accepted)) + rows, sum(draft_times) + verify_time)
 

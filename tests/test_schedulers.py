@@ -112,6 +112,18 @@ def test_cost_aware_declines_hopeless_drafts_but_keeps_probing_from_its_credit()
     assert 14 <= choices.count(1) <= 16 and seconds <= 1.02 * 200
 
 
+def test_the_credit_saved_at_one_batch_size_pays_for_no_probe_at_another():
+    """1,000 declined one-second steps at batch 1 save 20 s of credit; at batch 8, where a probe loses far less than
+    that, none is taken until batch-8 steps have paid for one."""
+    s = CostAwareScheduler(costs={1: 1.0, 17: 5.0})
+    s.reset(PromptLookupDrafter(max_draft_len=16))
+    s.acceptance.tried[:] = 1e6  # acceptance 0
+    for _ in range(1000):
+        s.update(draft(8).truncate(0), [], 0.0, 1.0)
+    assert s.select_batch([draft(8)] * 8) == [0] * 8
+    assert s.select(draft(8)) == 1  # batch 1's own credit does pay for its probe
+
+
 def test_confidence_scheduler_cuts_where_whole_prefix_probability_drops_below_threshold():
     s = ConfidenceScheduler(threshold=0.5)
     s.reset(PromptLookupDrafter(max_draft_len=8))
