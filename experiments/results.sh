@@ -16,16 +16,15 @@ for set in mt-bench heldout; do  # sampling at T = 0.7 under one seed per prompt
         --repeats 1 --temperature 0.7 --top-p 0.9 --methods plain,hybrid-default \
         --out runs/bench-sampling-$set | tee runs/bench-sampling-$set/table.txt
 done
-mkdir -p runs/batching && python -m experiments.batching --dataset heldout --num-prompts 8 --batch-sizes 1,2,4,8 \
-    --max-new-tokens 64 --repeats 1 --methods plain,hybrid-none,hybrid-default --out runs/batching \
-    | tee runs/batching/batching.txt
 mkdir -p runs/first-call && python -m experiments.first_call --dataset mt-bench --num-prompts 3 --max-new-tokens 128 \
     --warm-prompts 3 --out runs/first-call | tee runs/first-call/table.txt
 mkdir -p runs/online-store && python -m experiments.online_store --model default --num-prompts 4 --max-new-tokens 128 \
     --out runs/online-store/summary.json | tee runs/online-store/table.txt
 # Where the drafts pay: plain generate, the engine without drafts and the default, over the four prompt sets x
-# temperatures 0, 0.7, 1.0 x batch sizes 1, 2, 4, 8 (table.txt, regimes.png; several hours on 2 cores).
-python -m experiments.regimes --num-prompts 8 --max-new-tokens 64 --repeats 2 --out runs/regimes
+# batch sizes 1, 2, 4, 8, greedy (table.txt, regimes.png; about 30 minutes on 2 cores; add 0.7,1.0 to
+# --temperatures for sampling, about 30 minutes each).
+python -m experiments.regimes --datasets heldout,dev,mt-bench,humaneval --batch-sizes 1,2,4,8 --temperatures 0 \
+    --num-prompts 8 --max-new-tokens 64 --repeats 1 --out runs/regimes
 # The block model reading known tokens: two fine-tunes of the shipped checkpoint at one CPU budget (the same 11
 # shards of answers to prompts the GPU recipe never answered, 30 k document tokens, steps and seed), masked positions
 # reading the anchor or the nearest known token, half the blocks given a prefix; scored on the shipped held-out answers.
@@ -58,7 +57,7 @@ for run in dflash-drafter-a32 block-drafter-a32 block-drafter-a32-1800; do
     cp $W/$run/training.json runs/extras/$run-training.json
 done
 for run in verify-costs bench-heldout bench-mt-bench bench-humaneval bench-dev bench-sampling-mt-bench bench-sampling-heldout \
-    batching first-call online-store regimes heldout extras; do
+    first-call online-store regimes heldout extras; do
     mkdir -p "docs/results/$run"
     cp runs/$run/*.png runs/$run/*.md runs/$run/*.csv runs/$run/*.json runs/$run/*.txt "docs/results/$run/" 2>/dev/null || true
 done

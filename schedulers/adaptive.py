@@ -315,10 +315,8 @@ class CostAwareScheduler(_Calibrated):
         if draft_seconds > 0:  # a step with no room left to draft says nothing of what drafting costs
             cost = self._draft_cost.setdefault(rows, [[0, 0.0] for _ in range(self.num_stages + 1)])
             _fold(cost[self._stages], draft_seconds, moving=self.MOVING)
-        if self._stages < self.num_stages:
-            # Only a step that ran every stage compares them on the same text: folding the steps that ran fewer into
-            # their T_n would weigh T_n by the stretches where fewer were chosen (long lookup matches), not by all.
-            return
+        # A step that ran n stages measures T_m and W_m for every m <= n: the option chosen is always corrected by
+        # its outcome (an estimate only stages that were not run could correct would lock a losing choice in).
         gain = self._stage_gain.setdefault(rows, self._no_gain())
         stages = [draft.stage_list() for draft in drafts]
         for n in range(1, self._stages + 1):

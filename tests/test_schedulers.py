@@ -436,3 +436,23 @@ def test_a_scheduler_starts_from_the_shipped_prior_for_its_pair(tmp_path, monkey
     path.write_text("{not json")
     with pytest.raises(ValueError, match=r"cannot read scheduler prior .*: rebuild it with `python -m experiments"):
         CostAwareScheduler(costs=FLAT).reset(drafter, model)
+
+
+def test_a_stage_chosen_on_another_batch_sizes_estimate_is_corrected_by_its_own_steps():
+    """Batch 1 learned that the lookup pays (its 2 nodes accepted); at batch 4 nothing it drafts is accepted. Steps
+    that run the lookup alone measure it, so within a few steps batch 4 stops drafting (it would otherwise go on
+    trusting batch 1's figure, as only a step running every stage, paid from an empty credit, could correct it)."""
+    s = CostAwareScheduler(costs={1: 1.0, 4: 1.0, 12: 1.2, 17: 5.0})
+    s.reset(ChainDrafter([PromptLookupDrafter(max_draft_len=4), _Counting()]))
+    s._stage_gain[1] = [[1, 0.0, 1.0], [100, 2.0, 3.0], [100, 2.0, 3.0]]
+    s._draft_cost[1] = [[0, 0.0], [100, 0.001], [100, 1.0]]  # the second stage dear: the lookup alone wins
+    chosen = []
+    for _ in range(40):
+        n = s.drafting_stages(4)
+        chosen.append(n)
+        drafts = [staged(2, 2 if n == 2 else 0) if n else staged(0, 0)] * 4
+        ks = s.select_batch(drafts)
+        drafts = [d.truncate(k) for d, k in zip(drafts, ks)]
+        width = 1 + max(map(len, drafts))
+        s.update_batch(drafts, [[] for _ in drafts], [0.001 * (n > 0)] * 4, s.verify_costs.step_cost(4, width))
+    assert chosen[0] == 1 and chosen[-10:] == [0] * 10
