@@ -22,7 +22,7 @@ from hybrid.engine import decode
 from hybrid.stats import GenerationStats
 from schedulers.adaptive import default_scheduler
 from schedulers.base import Scheduler
-from schedulers.cost_model import forward_costs, weight_left_rows
+from schedulers.cost_model import cached_kernel_choice
 from verifiers.cache import foreign_cache_reason
 from verifiers.logits import shared_processors
 from verifiers.verifier import Verifier, check_causal_lm
@@ -272,14 +272,15 @@ def generate(
             f"drafter must be a drafters.Drafter (or None for plain decoding), got {type(drafter).__name__}"
         )
     static = config.cache_implementation == "static"
+    weight_left_rows, forward_costs = cached_kernel_choice(model)  # the cached choice, never a measurement here
     verifier = Verifier(
         model,
         hidden_layers=drafter.hidden_layers if drafter is not None else (),
         static=static,
         max_width=1 + (drafter.node_budget if drafter is not None else 0),
         compile_config=_compile_config(model, config) if static else None,
-        weight_left_rows=weight_left_rows(model),  # the cached choice, never a measurement inside this call
-        forward_costs=forward_costs(model),
+        weight_left_rows=weight_left_rows,
+        forward_costs=forward_costs,
     )
     _check_context(verifier, prompt_len, config.max_length)
     verifier.check_masks([None] * batch if attention_mask is None else list(attention_mask))

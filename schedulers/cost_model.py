@@ -223,12 +223,14 @@ def _table_path(model):
 def weight_left_rows(model) -> frozenset[int]:
     """The row counts the cached table of `model` runs weight-left; none (PyTorch's kernels everywhere) while no
     table is cached, so a plain step is never slower than `generate`'s and never waits for a measurement."""
-    table = VerifyCostModel.cached(model) if cpu_linears(model) else None
-    return frozenset() if table is None else table.weight_left_rows()
+    return cached_kernel_choice(model)[0]
 
 
-def forward_costs(model) -> dict[int, float]:
-    """The cached table's seconds of a forward feeding n tokens, by n, through the kernels chosen for it: what a
-    `Verifier` takes as `forward_costs`; empty while no table is cached (nothing is measured here)."""
+def cached_kernel_choice(model) -> tuple[frozenset[int], dict[int, float]]:
+    """What a `Verifier` takes from the cached table of `model`, read once: the row counts it runs weight-left
+    (`weight_left_rows`) and the seconds of a forward feeding n tokens, by n (`forward_costs`); none and empty while
+    no table is cached (nothing is measured here)."""
     table = VerifyCostModel.cached(model) if cpu_linears(model) else None
-    return {} if table is None else dict(zip(table.sizes, table.table))
+    if table is None:
+        return frozenset(), {}
+    return table.weight_left_rows(), dict(zip(table.sizes, table.table))

@@ -251,7 +251,10 @@ def test_a_verify_is_padded_by_a_position_only_where_the_table_says_that_is_chea
 
 def every_forward_padded():
     """hybrid.generate told by the machine's table that one more position per row always costs less."""
-    return mock.patch("hybrid.generate.forward_costs", lambda model: {n: 1.0 / n for n in range(1, 400)})
+    return mock.patch(
+        "hybrid.generate.cached_kernel_choice",
+        lambda model: (weight_left_rows(model), {n: 1.0 / n for n in range(1, 400)}),
+    )
 
 
 def test_a_padded_one_token_step_feeds_two_positions_and_gives_generates_output():
