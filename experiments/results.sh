@@ -35,13 +35,18 @@ FT="python -m drafters.training.train --init-from drafters/checkpoints/smollm2-1
     --anchors-per-seq 64 --lr 1e-3 --steps 240 --save-every 20 --eval-every 240 --eval-seqs 64 --threads 1"
 $FT --masked-input anchor --reveal-prob 0.5 --reveal-scheme prefix --out $W/ft-anchor-prefix05
 $FT --masked-input nearest_known --reveal-prob 0.5 --reveal-scheme prefix --out $W/ft-nk-prefix05
+for keep in 2 8; do  # the same, keeping the shipped checkpoint's drafts where a block is given nothing
+    $FT --masked-input nearest_known --reveal-prob 0.5 --reveal-scheme prefix --keep-weight $keep \
+        --out $W/ft-nk-prefix05-keep$keep
+done
 mkdir -p runs/heldout && python -m experiments.heldout --block drafters/checkpoints/smollm2-135m-block \
-    --block $W/ft-anchor-prefix05 --block $W/ft-nk-prefix05 --passes 1,2,3 --reveal --fill \
+    --block $W/ft-anchor-prefix05 --block $W/ft-nk-prefix05 --block $W/ft-nk-prefix05-keep2 \
+    --block $W/ft-nk-prefix05-keep8 --passes 1,2,3 --reveal --fill \
     --ngram-store drafters/checkpoints/smollm2-135m-ngram --max-ngrams 32 --prefer-store 0.5 --lookup 7 \
     --anchors-per-answer 16 | tee runs/heldout/finetune.md
 python -m experiments.heldout --block drafters/checkpoints/smollm2-135m-block --masked-input nearest_known \
     --passes 1,2,3 --reveal --lookup 7 --anchors-per-answer 16 | tee runs/heldout/shipped-nearest-known.md
-for run in ft-anchor-prefix05 ft-nk-prefix05; do cp $W/$run/training.json runs/heldout/$run-training.json; done
+for run in ft-anchor-prefix05 ft-nk-prefix05 ft-nk-prefix05-keep2 ft-nk-prefix05-keep8; do cp $W/$run/training.json runs/heldout/$run-training.json; done
 # DFlash's architecture against the block drafter's on one small data set (2 shards of answers + 30 k document
 # tokens): the same steps (300 each), and the block drafter at DFlash's compute (1800 steps); held-out tau of each.
 W=~/.cache/hybrid/drafter-extras

@@ -1,5 +1,8 @@
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -10,6 +13,11 @@ if os.environ.get("HYBRID_TEST_DEVICE"):
     torch.set_default_device(os.environ["HYBRID_TEST_DEVICE"])
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests import `strategies` directly
+
+# Cost tables the suite measures (tiny models, timed beside other tests) stay out of the user's cache, where a real
+# decode would read them (schedulers.cost_model.tables_dir); each test process gets its own folder.
+os.environ["HYBRID_COSTS"] = tempfile.mkdtemp(prefix="hybrid-test-costs-")
+atexit.register(shutil.rmtree, os.environ["HYBRID_COSTS"], ignore_errors=True)
 
 
 @pytest.fixture

@@ -193,7 +193,7 @@ def test_the_cost_table_exposes_the_kernel_of_every_width():
 
 
 def test_the_choice_is_cached_with_the_cost_table_and_read_without_measuring(tmp_path, monkeypatch):
-    monkeypatch.setenv("HYBRID_CACHE", str(tmp_path))
+    monkeypatch.setenv("HYBRID_COSTS", str(tmp_path / "costs"))
     model = tiny_model("llama", 64, 1, seed=0)
     curves = {"torch": {1: 1.0, 2: 2.0, 3: 2.0}, "weight-left": {1: 1.0, 2: 1.0, 3: 3.0}}
     monkeypatch.setattr(cost_model, "measure_verify_costs", lambda model: curves)
@@ -210,7 +210,7 @@ def test_the_choice_is_cached_with_the_cost_table_and_read_without_measuring(tmp
 
 @pytest.mark.parametrize("batch", [1, 2, 3])
 def test_a_plain_step_runs_the_kernel_chosen_for_its_batch_width(batch, tmp_path, monkeypatch):
-    monkeypatch.setenv("HYBRID_CACHE", str(tmp_path))
+    monkeypatch.setenv("HYBRID_COSTS", str(tmp_path / "costs"))
     model = tiny_model("llama", 64, 1, seed=0)
     VerifyCostModel({1: 1.0, 2: 1.0, 3: 2.0}, {2: "weight-left"}).save(model)
     monkeypatch.setattr(cost_model, "measure_verify_costs", mock.Mock(side_effect=AssertionError("measured")))
@@ -225,7 +225,7 @@ def test_a_plain_step_runs_the_kernel_chosen_for_its_batch_width(batch, tmp_path
 def test_verify_costs_prints_both_curves_and_each_widths_kernel(capsys, tmp_path, monkeypatch):
     from experiments import verify_costs
 
-    monkeypatch.setenv("HYBRID_CACHE", str(tmp_path))
+    monkeypatch.setenv("HYBRID_COSTS", str(tmp_path / "costs"))
     monkeypatch.setattr(verify_costs, "PROBE_SIZES", (1, 2, 9))  # a full table at these sizes: it is cached
     result = verify_costs.main(["--model", "tiny", "--rounds", "1", "--sizes", "1,2,9"])
     assert set(result) == {*KERNELS, "chosen"} and all(set(c) == {1, 2, 9} for c in result.values())

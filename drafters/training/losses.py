@@ -33,3 +33,12 @@ def distill_loss(
     per_position = hard_weight * hard + (1 - hard_weight) * soft
     total = weights.sum() if total is None else total
     return (per_position * weights).sum() / total.clamp(min=1e-6)
+
+
+def keep_loss(logits, teacher_logits, weights, total: torch.Tensor) -> torch.Tensor:
+    """Weighted KL(teacher || student) per position, over the same sum of weights as `distill_loss`: a fine-tune that
+    also matches its starting checkpoint where that checkpoint's inputs are unchanged keeps what it knew there."""
+    logp = F.log_softmax(logits.float(), dim=-1)
+    teacher = F.log_softmax(teacher_logits.float(), dim=-1)
+    kl = (teacher.exp() * (teacher - logp)).sum(-1)
+    return (kl * weights).sum() / total.clamp(min=1e-6)

@@ -45,6 +45,7 @@ from drafters.block_diffusion import (
     MASKED_INPUTS,
     BlockDiffusionConfig,
     frozen_verifier_parts,
+    load_model,
     verifier_fingerprint,
 )
 from drafters.training.batches import REVEAL_SCHEMES, VocabMap, ar_batch, block_batch, to_device
@@ -61,9 +62,10 @@ from drafters.training.distill import (
     synthetic_user_turns,
 )
 from drafters.training.estimate import estimate_tau, held_out_anchors, lookup_tau
-from drafters.training.losses import distill_loss, position_weights
+from drafters.training.losses import distill_loss, keep_loss, position_weights
 from drafters.training.models import (
     StepLogits,
+    block_forward,
     export,
     final_norm,
     initial_block_model,
@@ -136,6 +138,13 @@ def parser() -> argparse.ArgumentParser:
         default="prefix",
         help="what a revealed block sees: a leading run of its answer (as at draft time), or half of the time a "
         "random subset (mixed)",
+    )
+    p.add_argument(
+        "--keep-weight",
+        type=float,
+        default=0.0,
+        help="with --init-from: on blocks given no token, also match the starting checkpoint's distribution, with "
+        "this weight (0: off), so that a fine-tune on little data keeps what the checkpoint drafts from the anchor",
     )
     p.add_argument("--save-every", type=int, default=25)
     p.add_argument("--eval-every", type=int, default=100)
@@ -274,6 +283,8 @@ def main(argv=None) -> None:
     check_generation_arguments(parser(), args)
     if args.init_from and args.arch != "block":
         parser().error("--init-from starts a block drafter from a checkpoint: use it with --arch block")
+    if args.keep_weight < 0 or (args.keep_weight and not args.init_from):
+        parser().error("--keep-weight is a weight >= 0 on matching the --init-from checkpoint: give --init-from too")
     if args.threads:
         torch.set_num_threads(args.threads)
     accelerator = training_accelerator(args.device)
@@ -334,6 +345,8 @@ def recipe_tag(args) -> str:
     values = [getattr(args, k) for k in keys] + [str(args.init_from)]
     if args.arch == "dflash":
         values.append(args.mask_token_id)
+    if args.keep_weight:
+        values.append(args.keep_weight)
     return f"s{args.seed}-" + hashlib.sha256(json.dumps(values).encode()).hexdigest()[:8]
 
 
@@ -375,6 +388,8 @@ def train(args, verifier, store: FeatureStore, out: Path, run_dir: Path, acceler
     if norm is not None and not args.init_from:  # start the output norm where the verifier's is, so its head reads it
         (model.model.norm if args.arch == "ar" else model.norm).weight.data.copy_(norm.weight.data)
     params = trainable(model)
+    # --keep-weight: the checkpoint training started from, frozen, as it drafts a block given nothing.
+    keep_from = load_model(args.init_from).float().to(device).eval().requires_grad_(False) if args.keep_weight else None
     print_(f"{args.arch} drafter: {sum(p.numel() for p in params) / 1e6:.2f} M trainable parameters")
     optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -443,6 +458,14 @@ def train(args, verifier, store: FeatureStore, out: Path, run_dir: Path, acceler
             w.reshape(-1).float(),
             total=total,
         )
+        if keep_from is not None:
+            # Blocks given no token read the same inputs in the checkpoint and the drafter, whatever the masked
+            # positions read: there the checkpoint's distribution is the target too.
+            with torch.no_grad():
+                kept = block_forward(keep_from, embed, head, batch)
+            given_nothing = ~batch["known"][..., 1:].any(-1, keepdim=True)
+            keep = keep_loss(logits, kept, (w * given_nothing).float(), total)
+            loss = loss + args.keep_weight * keep
         optimizer.zero_grad(set_to_none=True)
         accelerator.backward(loss * processes)
         accelerator.clip_grad_norm_(params, 1.0)
