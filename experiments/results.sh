@@ -25,7 +25,7 @@ mkdir -p runs/online-store && python -m experiments.online_store --model default
 # --temperatures for sampling, about 30 minutes each).
 python -m experiments.regimes --datasets heldout,dev,mt-bench,humaneval --batch-sizes 1,2,4,8 --temperatures 0,0.7 \
     --num-prompts 8 --max-new-tokens 64 --repeats 1 --out runs/regimes
-# The block model reading known tokens: two fine-tunes of the shipped checkpoint at one CPU budget (the same 11
+# The block model reading known tokens: four fine-tunes of the shipped checkpoint at one CPU budget (the same 11
 # shards of answers to prompts the GPU recipe never answered, 30 k document tokens, steps and seed), masked positions
 # reading the anchor or the nearest known token, half the blocks given a prefix; scored on the shipped held-out answers.
 W=~/.cache/hybrid/drafter
