@@ -66,3 +66,4 @@ for run in verify-costs bench-heldout bench-mt-bench bench-humaneval bench-dev b
     mkdir -p "docs/results/$run"
     cp runs/$run/*.png runs/$run/*.md runs/$run/*.csv runs/$run/*.json runs/$run/*.txt "docs/results/$run/" 2>/dev/null || true
 done
+cp runs/regimes/regimes.jsonl docs/results/regimes/  # each run's seconds and verifier forwards

@@ -229,16 +229,11 @@ def _table_path(model) -> Path:
     return tables_dir() / f"{device_key(model)}.json"
 
 
-def weight_left_rows(model) -> frozenset[int]:
-    """The row counts the cached table of `model` runs weight-left; none (PyTorch's kernels everywhere) while no
-    table is cached, so a plain step is never slower than `generate`'s and never waits for a measurement."""
-    return cached_kernel_choice(model)[0]
-
-
 def cached_kernel_choice(model) -> tuple[frozenset[int], dict[int, float]]:
     """What a `Verifier` takes from the cached table of `model`, read once: the row counts it runs weight-left
-    (`weight_left_rows`) and the seconds of a forward feeding n tokens, by n (`forward_costs`); none and empty while
-    no table is cached (nothing is measured here)."""
+    (`weight_left_rows`) and the seconds of a forward feeding n tokens, by n (`forward_costs`). None and empty while
+    no table is cached: PyTorch's kernels everywhere, so a plain step is never slower than `generate`'s and never
+    waits for a measurement (nothing is measured here)."""
     table = VerifyCostModel.cached(model) if cpu_linears(model) else None
     if table is None:
         return frozenset(), {}

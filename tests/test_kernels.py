@@ -18,7 +18,7 @@ import hybrid
 from drafters import PromptLookupDrafter
 from hybrid.testing import tiny_model
 from schedulers import cost_model
-from schedulers.cost_model import KERNEL_MARGIN, VerifyCostModel, choose_kernels, weight_left_rows
+from schedulers.cost_model import KERNEL_MARGIN, VerifyCostModel, cached_kernel_choice, choose_kernels
 from verifiers import kernels
 from verifiers.kernels import KERNELS, chosen_kernels, cpu_linears, force_kernel, weight_left_linear
 
@@ -197,13 +197,13 @@ def test_the_choice_is_cached_with_the_cost_table_and_read_without_measuring(tmp
     model = tiny_model("llama", 64, 1, seed=0)
     curves = {"torch": {1: 1.0, 2: 2.0, 3: 2.0}, "weight-left": {1: 1.0, 2: 1.0, 3: 3.0}}
     monkeypatch.setattr(cost_model, "measure_verify_costs", lambda model: curves)
-    assert weight_left_rows(model) == frozenset()  # nothing cached: PyTorch's kernels, nothing measured
+    assert cached_kernel_choice(model)[0] == frozenset()  # nothing cached: PyTorch's kernels, nothing measured
     measured = VerifyCostModel.for_model(model)
     assert measured.kernels == {1: "torch", 2: "weight-left", 3: "torch"}
     monkeypatch.setattr(cost_model, "measure_verify_costs", mock.Mock(side_effect=AssertionError("measured again")))
     cached = VerifyCostModel.for_model(model)
     assert cached.kernels == measured.kernels and cached.table == measured.table
-    assert weight_left_rows(model) == {2}
+    assert cached_kernel_choice(model)[0] == {2}
     (tmp_path / "costs" / f"{cost_model.device_key(model)}.json").write_text('{"1": 0.1}')  # not a table
     assert VerifyCostModel.cached(model) is None
 
@@ -253,7 +253,7 @@ def every_forward_padded():
     """hybrid.generate told by the machine's table that one more position per row always costs less."""
     return mock.patch(
         "hybrid.generate.cached_kernel_choice",
-        lambda model: (weight_left_rows(model), {n: 1.0 / n for n in range(1, 400)}),
+        lambda model: (cached_kernel_choice(model)[0], {n: 1.0 / n for n in range(1, 400)}),
     )
 
 

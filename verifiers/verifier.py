@@ -60,7 +60,7 @@ class Verifier:
             the prompt's, so compiling it would re-trace per prompt.
         weight_left_rows: the row counts (fed tokens x rows) whose plain float32 CPU linear products run as
             (W @ x.T).T, where the machine's cost table measured that faster (`verifiers.kernels`,
-            `schedulers.cost_model.weight_left_rows`); every other product runs PyTorch's own kernel.
+            `schedulers.cost_model.cached_kernel_choice`); every other product runs PyTorch's own kernel.
         forward_costs: the machine's measured seconds of a forward feeding n tokens (`schedulers.cost_model
             .forward_costs`; empty: none cached). An eager verify is padded by one position per row where that
             forward costs PAD_MARGIN less (on some CPUs a weight-left product of 2 rows beats PyTorch's of 1).
