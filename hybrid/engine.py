@@ -151,6 +151,7 @@ def decode(
     active = _drop_finished(verifier, rows)
     while active:
         clock.lap()
+        scheduler.set_rows([(max_length - row.ids.shape[1]) / row.stats.tau for row in active])
         budget = min(scheduler.max_draft_length(), drafter.node_budget)
         steps = scheduler.denoising_steps()
         if not 1 <= steps <= drafter.max_steps:

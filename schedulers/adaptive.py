@@ -123,15 +123,16 @@ class CostAwareScheduler(_Calibrated):
     (no stage, or no node verified) is one of the options, costed like the others: the engine's plain step.
 
     After drafting it picks one width w for the batch (`select_batch`): rows verify min(w, their nodes), at
-    Σ_r (E_r(min(w, k_r)) + 1) / (draft cost + verify cost(rows, width(w + 1))), since a forward feeds every row
+    Σ_r v_r (E_r(min(w, k_r)) + 1) / (draft cost + verify cost(rows, width(w + 1))), since a forward feeds every row
     at the widest row's width (short rows padded, so up to w their nodes cost nothing more). Rows with nothing drafted
-    verify 0. Verify cost comes from a `VerifyCostModel` measured on this device at start-up (cached) and corrected
+    verify 0. v_r is what a token of row r is worth to the call (`set_rows`): a batch ends with its last row, so
+    v_r is the row's expected steps left over the most any row has left (1 at batch 1, and for rows level). Verify cost comes from a `VerifyCostModel` measured on this device at start-up (cached) and corrected
     by observed verify times, per batch size; draft cost is the mean measured seconds of a step of this many rows
     drafting with the stages that ran.
 
     Before drafting it picks how many of the drafter's stages run (`drafting_stages`; a `ChainDrafter`'s sources,
-    cheapest first): the n maximising rows (1 + T_n) / (D_n + verify cost(rows, width(W_n))), with T_n the mean
-    accepted tokens per row the first n stages' nodes bring and W_n the mean widest verify they need. Both are known
+    cheapest first): the n maximising Σ_r v_r (1 + T_n) / (D_n + verify cost(rows, width(W_n))), with T_n the mean
+    accepted tokens per row the first n stages' nodes bring (weighted by v_r) and W_n the mean widest verify they need. Both are known
     for every n up to the stages that ran, since a stage's nodes follow the earlier stages' and never change which
     of those are accepted (`Draft.stage`). T_n, W_n and D_n are kept per batch size (a wider batch verifies less of
     each row and pays more per drafter forward); a batch size not seen yet starts from the nearest one seen, D_n
@@ -179,6 +180,7 @@ class CostAwareScheduler(_Calibrated):
                 self._stage_gain[1][n] = [self.PRIOR_STEPS, tokens, width]
         self._draft_cost: dict[int, list[list[float]]] = {}  # rows -> n stages -> [steps, seconds]
         self._credit: dict[int, float] = {}  # rows -> seconds exploration may still lose at that batch size
+        self._weights: list[float] = []  # what a token of each row of this step is worth (`set_rows`)
 
     def _no_gain(self) -> list[list[float]]:
         return [[1, 0.0, 1.0]] + [[0, 0.0, 1.0] for _ in range(self.num_stages)]  # no stage: the pending token alone
@@ -194,6 +196,15 @@ class CostAwareScheduler(_Calibrated):
             "stage_tokens": [tokens for _, tokens, _ in gain],
             "stage_width": [width for _, _, width in gain],
         }
+
+    def set_rows(self, steps_left: list[float]) -> None:
+        """A batch's call ends with its last row: a row's token is worth its expected steps left over the most any
+        row has left, so the rows that will finish last count fully and a row far ahead barely counts."""
+        most = max(steps_left, default=0.0)
+        self._weights = [left / most if most > 0 else 1.0 for left in steps_left]
+
+    def _row_weights(self, rows: int) -> list[float]:
+        return self._weights if len(self._weights) == rows else [1.0] * rows
 
     def denoising_steps(self) -> int:
         untried = [s for s, (n, _) in self._step_stats.items() if n < self.STEP_TRIALS]
@@ -218,8 +229,9 @@ class CostAwareScheduler(_Calibrated):
         """(expected emitted tokens, expected seconds) of a step of `rows` rows that drafts with the first n stages,
         n = 0..all."""
         gain = self._gain(rows)
+        worth = sum(self._row_weights(rows))
         return [
-            (rows * (1 + tokens), self._draft_seconds(rows, n) + self._verify_seconds(rows, max(1, round(width))))
+            (worth * (1 + tokens), self._draft_seconds(rows, n) + self._verify_seconds(rows, max(1, round(width))))
             for n, (_, tokens, width) in enumerate(gain)
         ]
 
@@ -261,9 +273,13 @@ class CostAwareScheduler(_Calibrated):
         E(min(w, k_r)) + 1 over this step's draft cost plus one forward of rows x (w + 1) tokens."""
         expected = [draft_expectation(self.acceptance, draft) for draft in drafts]
         rows = len(drafts)
+        weights = self._row_weights(rows)
         draft_seconds = self._draft_seconds(rows, self._stages)
         return [
-            (sum(e[min(w, len(e) - 1)] + 1 for e in expected), draft_seconds + self._verify_seconds(rows, w + 1))
+            (
+                sum(weight * (e[min(w, len(e) - 1)] + 1) for weight, e in zip(weights, expected)),
+                draft_seconds + self._verify_seconds(rows, w + 1),
+            )
             for w in range(max(len(d) for d in drafts) + 1)
         ]
 
@@ -319,8 +335,10 @@ class CostAwareScheduler(_Calibrated):
         # its outcome (an estimate only stages that were not run could correct would lock a losing choice in).
         gain = self._stage_gain.setdefault(rows, self._no_gain())
         stages = [draft.stage_list() for draft in drafts]
+        weights = self._row_weights(rows)
         for n in range(1, self._stages + 1):
-            tokens = sum(sum(stage[node] < n for node in kept) for stage, kept in zip(stages, accepted)) / rows
+            kept = [sum(stage[node] < n for node in nodes) for stage, nodes in zip(stages, accepted)]
+            tokens = sum(w * k for w, k in zip(weights, kept)) / sum(weights)  # the rows finishing last count most
             width = 1 + max(sum(s < n for s in stage) for stage in stages)
             _fold(gain[n], tokens, width, moving=self.MOVING)
 

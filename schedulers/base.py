@@ -32,6 +32,10 @@ class Scheduler:
         width(m, rows) = m. Cost-aware schedulers charge the padded width."""
         self.verify_width = width
 
+    def set_rows(self, steps_left: list[float]) -> None:
+        """Told by the engine before each step: the rows about to be decoded, in batch order, each as the steps it is
+        expected to need still (tokens it may still emit over its tokens per step so far). Default: ignored."""
+
     def max_draft_length(self) -> int:
         """How many tokens (tree nodes) to ask the drafter for. Default: as many as it drafts."""
         return self.max_nodes

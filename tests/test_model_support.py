@@ -221,7 +221,9 @@ def test_lying_drafter_cannot_inject_tokens():
         torch.manual_seed(seed)
         assert torch.equal(hybrid.generate(model, prompt, drafter=LyingDrafter(64, 63), **sample), expected)
         torch.manual_seed(seed)
-        out = hybrid.generate(model, prompt, drafter=LyingDrafter(64, 63), acceptance="rejection", **sample)
+        # Every draft verified whole, whatever this busy machine's cost table says: what is shown is the rule.
+        lying = {"drafter": LyingDrafter(64, 63), "scheduler": FixedScheduler(6), "acceptance": "rejection"}
+        out = hybrid.generate(model, prompt, **lying, **sample)
         injected += int((out[0, 4:] == 63).sum())
     assert injected > 100, injected  # of 300 tokens; model.generate samples it a few times
 

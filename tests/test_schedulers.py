@@ -112,6 +112,37 @@ def test_cost_aware_declines_hopeless_drafts_but_keeps_probing_from_its_credit()
     assert 14 <= choices.count(1) <= 16 and seconds <= 1.02 * 200
 
 
+def test_a_batch_values_the_tokens_of_the_rows_that_finish_last():
+    """Row 0 drafted 4 nodes (a_i = 0.9), row 1 nothing; 2 rows x 2 wide cost 1.2 s against 1 s for 2 x 1. Rows level:
+    (2 + 0.9) / 1.2 beats 2 / 1.0, so row 0 verifies. Row 0 needing a tenth of row 1's steps: its token is worth 0.1,
+    (0.1 x 1.9 + 1) / 1.2 loses to 1.1 / 1.0, so neither does (the call ends with row 1 either way)."""
+    s = CostAwareScheduler(costs={1: 1.0, 2: 1.0, 4: 1.2, 17: 5.0})
+    s.reset(PromptLookupDrafter(max_draft_len=16))
+    s.acceptance.tried[:] = 1e6
+    s.acceptance.accepted[:] = 0.9e6
+    s.set_rows([10.0, 10.0])
+    assert s.select_batch([draft(4), draft(0)]) == [1, 0]
+    s.set_rows([1.0, 10.0])
+    assert s.select_batch([draft(4), draft(0)]) == [0, 0]
+
+
+def test_the_engine_tells_the_scheduler_each_rows_expected_steps_left():
+    told = []
+
+    class Recording(Scheduler):
+        def set_rows(self, steps_left):
+            told.append(steps_left)
+
+    model = tiny_model("llama", 48, 2, seed=0)
+    prompt = torch.tensor([[5, 6, 7, 5, 6, 7, 5, 6], [1, 2, 3, 4, 1, 2, 3, 4]])
+    out = hybrid.generate(
+        model, prompt, drafter=PromptLookupDrafter(max_draft_len=4), scheduler=Recording(), max_new_tokens=6
+    )
+    assert torch.equal(out, model.generate(prompt, max_new_tokens=6, do_sample=False))
+    assert told[0] == [5.0, 5.0]  # after the prefill's token, 5 more at 1 token a step so far
+    assert all(len(rows) in (1, 2) and all(left > 0 for left in rows) for rows in told)
+
+
 def test_the_credit_saved_at_one_batch_size_pays_for_no_probe_at_another():
     """1,000 declined one-second steps at batch 1 save 20 s of credit; at batch 8, where a probe loses far less than
     that, none is taken until batch-8 steps have paid for one."""
