@@ -126,17 +126,18 @@ class CostAwareScheduler(_Calibrated):
     Σ_r v_r (E_r(min(w, k_r)) + 1) / (draft cost + verify cost(rows, width(w + 1))), since a forward feeds every row
     at the widest row's width (short rows padded, so up to w their nodes cost nothing more). Rows with nothing drafted
     verify 0. v_r is what a token of row r is worth to the call (`set_rows`): a batch ends with its last row, so
-    v_r is the row's expected steps left over the most any row has left (1 at batch 1, and for rows level). Verify cost comes from a `VerifyCostModel` measured on this device at start-up (cached) and corrected
-    by observed verify times, per batch size; draft cost is the mean measured seconds of a step of this many rows
-    drafting with the stages that ran.
+    v_r is the row's expected steps left over the most any row has left (1 at batch 1, and for rows level). Verify
+    cost comes from a `VerifyCostModel` measured on this device at start-up (cached) and corrected by observed verify
+    times, per batch size; draft cost is the mean measured seconds of a step of this many rows drafting with the
+    stages that ran.
 
     Before drafting it picks how many of the drafter's stages run (`drafting_stages`; a `ChainDrafter`'s sources,
     cheapest first): the n maximising Σ_r v_r (1 + T_n) / (D_n + verify cost(rows, width(W_n))), with T_n the mean
-    accepted tokens per row the first n stages' nodes bring (weighted by v_r) and W_n the mean widest verify they need. Both are known
-    for every n up to the stages that ran, since a stage's nodes follow the earlier stages' and never change which
-    of those are accepted (`Draft.stage`). T_n, W_n and D_n are kept per batch size (a wider batch verifies less of
-    each row and pays more per drafter forward); a batch size not seen yet starts from the nearest one seen, D_n
-    scaled by the rows. D_n is 0 for no stage; one never run counts as free, so it gets tried.
+    accepted tokens per row the first n stages' nodes bring (weighted by v_r) and W_n the mean widest verify they
+    need. Both are known for every n up to the stages that ran, since a stage's nodes follow the earlier stages' and
+    never change which of those are accepted (`Draft.stage`). T_n, W_n and D_n are kept per batch size (a wider
+    batch verifies less of each row and pays more per drafter forward); a batch size not seen yet starts from the
+    nearest one seen, D_n scaled by the rows. D_n is 0 for no stage; one never run counts as free, so it gets tried.
 
     Estimates are only corrected where they are tried, so a choice the estimates say loses (every stage when fewer
     win, a positive width when declining wins) is still taken now and then, paid from a credit of EXPLORE_SHARE of
