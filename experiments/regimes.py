@@ -9,7 +9,8 @@ batch sizes x temperatures x prompt sets.
 A cell is one (prompt set, temperature, batch size): the set's first --num-prompts prompts (chat template),
 left-padded into batches of that size. In each repeat every method decodes every batch of every cell, the
 methods rotated batch by batch so that none always runs first, each timed end to end around its `generate` call
-(experiments.bench.run_method). A method's tokens/s in a cell is its new tokens (each row's, up to its EOS) over
+(experiments.bench.run_method); --min-pairs N repeats a cell of few batches (a large batch size) until it has N
+paired runs. A method's tokens/s in a cell is its new tokens (each row's, up to its EOS) over
 its seconds summed over the cell's batches, the median over repeats. `NAME/best` is a drafting method's tokens/s
 over the better of plain `generate` and `hybrid-none` in the cell (above 1: the drafts pay there), and tau its
 tokens per verifier forward (per row).
@@ -53,6 +54,7 @@ from verifiers.prompts import encode_prompt
 
 DEFAULT_METHODS = "plain,hybrid-none,hybrid-default"
 BASELINES = ("plain", "hybrid-none")  # what a drafting method must beat for its drafts to pay
+FLOOR = 0.97  # the least a drafting method may give of the better baseline (paired median) in any cell
 RECORDS_FILE, SUMMARY_FILE, TABLE_FILE, PLOT_FILE = "regimes.jsonl", "summary.json", "table.txt", "regimes.png"
 NOT_COMPARABLE = (
     "n/c: a sampled batch of several rows draws in another order than generate's one draw per step for the whole "
@@ -122,12 +124,18 @@ def measurement_key(record: dict) -> tuple:
     return tuple(record[field] for field in KEY_FIELDS)
 
 
+def repeats_of(args, batch: Batch) -> int:
+    """How often `batch` runs: --repeats, more in a cell of few batches where --min-pairs asks for more paired runs
+    (a cell of one batch of 8 gets one pair per repeat, a cell of eight batches of 1 gets eight)."""
+    return max(args.repeats, math.ceil(args.min_pairs / (args.num_prompts // batch.batch_size)))
+
+
 def schedule(args, batches: list[Batch]) -> list[tuple[int, Batch, str]]:
     """(repeat, batch, method) in run order: repeat by repeat, batch by batch, the methods rotated so that none
     always runs first (after another method has warmed the caches)."""
     order = []
-    for r in range(args.repeats):
-        for j, batch in enumerate(batches):
+    for r in range(max(repeats_of(args, batch) for batch in batches)):
+        for j, batch in enumerate([batch for batch in batches if r < repeats_of(args, batch)]):
             shift = (r + j) % len(args.methods)
             order += [(r, batch, m) for m in args.methods[shift:] + args.methods[:shift]]
     return order
@@ -341,7 +349,9 @@ def table(args, rows: list[dict], processes: int) -> str:
     ratio = {m: len(short(m)) + 7 for m in drafting}
     lines = [
         f"{len(args.datasets)} set(s) x {len(args.temperatures)} temperature(s) x {len(args.batch_sizes)} batch "
-        f"size(s): {args.num_prompts} prompts per set, {args.max_new_tokens} new tokens, {args.repeats} repeat(s), "
+        f"size(s): {args.num_prompts} prompts per set, {args.max_new_tokens} new tokens, {args.repeats} repeat(s)"
+        + (f" (at least {args.min_pairs} paired runs per cell)" if args.min_pairs else "")
+        + ", "
         f"{processes} process(es) x {torch.get_num_threads()} threads; tok/s = median over repeats",
         f"{'set':<{d}}{'T':>5}{'batch':>7}"
         + "".join(f"{m:>{tok_s[m]}}" for m in args.methods)
@@ -383,6 +393,17 @@ def verdicts(rows: list[dict], drafting: list[str]) -> list[str]:
             f"{m} is faster than both {' and '.join(BASELINES)} in {len(judged) - len(losing)} of {len(judged)} "
             f"cells" + (f"; slower than the better of them at {where}" if losing else "")
         )
+        paired = [r for r in rows if paired_median(r, m, "best") is not None]
+        below = [r for r in paired if paired_median(r, m, "best") < FLOOR]
+        where = ", ".join(
+            f"{set_label(r['dataset'])} T={r['temperature']:g} b={r['batch_size']} "
+            f"{paired_median(r, m, 'best'):.2f}x (n {r['paired'][m]['best']['n']})"
+            for r in below
+        )
+        lines.append(
+            f"{m}, paired: at least {FLOOR}x the better baseline in {len(paired) - len(below)} of {len(paired)} cells"
+            + (f"; below at {where}" if below else "")
+        )
     return lines
 
 
@@ -407,6 +428,8 @@ def check_sizes(args) -> None:
     for name in ("num_prompts", "max_new_tokens", "repeats"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
+    if args.min_pairs < 0:
+        raise ValueError(f"--min-pairs {args.min_pairs} must be >= 0 (0: every cell runs --repeats times)")
     if min(args.batch_sizes) < 1:
         raise ValueError(f"--batch-sizes {args.batch_sizes}: every batch size must be >= 1")
     uneven = [size for size in args.batch_sizes if args.num_prompts % size]
@@ -464,6 +487,12 @@ def parse_args(argv) -> tuple[argparse.ArgumentParser, argparse.Namespace, dict[
     )
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument(
+        "--min-pairs",
+        type=int,
+        default=0,
+        help="repeat a cell of few batches (a large batch size) until it has this many paired runs (0: --repeats)",
+    )
     parser.add_argument("--model", default="default", help=MODEL_HELP)
     parser.add_argument("--device", default="cpu", help="where the verifier and drafters run (cpu, cuda, cuda:1)")
     parser.add_argument("--out", default="runs/regimes", help="output folder; rerun with the same one to resume")

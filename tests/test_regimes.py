@@ -121,6 +121,20 @@ def test_an_output_unlike_generate_is_flagged(prompts_file, tmp_path, monkeypatc
     assert [regimes.identical_text(r).split()[0] for r in rows] == ["NO", "NO", "NO", "n/c"]
 
 
+def test_min_pairs_repeats_the_cells_of_few_batches(prompts_file, tmp_path):
+    _, args, prompts = regimes.parse_args(grid_args(prompts_file, tmp_path, "--repeats", "1", "--min-pairs", "3"))
+    runs = regimes.schedule(args, regimes.plan_batches(args, prompts))
+    pairs = {}
+    for repeat, batch, method in runs:
+        pairs.setdefault((batch.temperature, batch.batch_size, method), set()).add((repeat, batch.index))
+    # batch size 1: two batches a repeat, so two repeats; batch size 2: one batch, so three repeats
+    assert {key: len(runs) for key, runs in pairs.items()} == {
+        (t, size, m): 4 if size == 1 else 3 for t in (0, 1) for size in (1, 2) for m in METHODS
+    }
+    _, args, _ = regimes.parse_args(grid_args(prompts_file, tmp_path, "--min-pairs", "0"))
+    assert len(regimes.schedule(args, regimes.plan_batches(args, prompts))) == 2 * 3 * 2 * 3  # off: --repeats
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -129,6 +143,7 @@ def test_an_output_unlike_generate_is_flagged(prompts_file, tmp_path, monkeypatc
         (["--batch-sizes", "0"], "every batch size must be >= 1"),
         (["--temperatures", "-0.5"], "temperature -0.5 must be >= 0"),
         (["--repeats", "0"], "--repeats 0 must be >= 1"),
+        (["--min-pairs", "-1"], "--min-pairs -1 must be >= 0"),
         (["--methods", "plain,oracle"], "method 'oracle': batches run plain or hybrid-NAME"),
         (["--methods", "plain,hf-lookup"], "method 'hf-lookup': batches run plain or hybrid-NAME"),
         (["--methods", "plain,hybrid-lookup+static"], "method 'hybrid-lookup+static'"),
