@@ -129,7 +129,8 @@ class VerifyCostModel:
         self.table = [costs[m] for m in self.sizes]
         self.kernels = {m: (kernels or {}).get(m, "torch") for m in self.sizes}
         self.scale = 1.0  # observed / predicted, tracked online
-        self.factors: dict[int, float] = {}  # rows -> that batch size's own factor (`observe_step`)
+        # (rows, drafts verified) -> that step kind's own factor (`observe_step`)
+        self.factors: dict[tuple[int, bool], float] = {}
 
     @classmethod
     def for_model(cls, model, use_disk_cache: bool = True) -> VerifyCostModel:
@@ -164,14 +165,19 @@ class VerifyCostModel:
 
     def step_cost(self, rows: int, width: int) -> float:
         """Seconds of a verify of `rows` sequences, each fed `width` positions (short rows padded)."""
-        return self.scale * self.batch_factor(rows) * self._interpolate(rows * width)
+        return self.scale * self.batch_factor(rows, width) * self._interpolate(rows * width)
 
-    def batch_factor(self, rows: int) -> float:
-        """What observed steps of this many rows took against the scaled table (any width); the nearest observed
-        batch size's where this one was never observed; 1 before any."""
+    def batch_factor(self, rows: int, width: int) -> float:
+        """What observed steps of this many rows took against the scaled table, kept apart for plain steps (width 1)
+        and verifies of drafts: a batch's plain step, one token a row, runs other shapes than one sequence's forward
+        of as many tokens and can measure far cheaper than it where the batch's verifies run as the table says, so
+        one factor for both would make every verify look cheaper, or every plain step dearer, than it is. Where this (rows, kind) was never observed:
+        the nearest observed batch size of the same kind, else of the other; 1 before any."""
         if not self.factors:
             return 1.0
-        return self.factors[min(self.factors, key=lambda r: (abs(r - rows), r))]
+        drafted = width > 1
+        same = [key for key in self.factors if key[1] == drafted] or list(self.factors)
+        return self.factors[min(same, key=lambda key: (abs(key[0] - rows), key[0]))]
 
     def kernel(self, m: int) -> str:
         """The kernel a forward of m fed rows runs: a probed width's choice; between two probed widths "weight-left"
@@ -193,16 +199,16 @@ class VerifyCostModel:
         self.observe_step(1, m, seconds)
 
     def observe_step(self, rows: int, width: int, seconds: float) -> None:
-        """Fold one measured verify time into the scale and this batch size's factor. Both move toward the observation
-        in log space, the scale by SCALE_RATE of the miss (load is shared by every shape) and the factor by
-        FACTOR_RATE (what is left is this batch size's own), the miss clipped to MAX_MISS either way so that one
-        disturbed step moves neither far."""
+        """Fold one measured verify time into the scale and the factor of this batch size and kind of step. Both
+        move toward the observation in log space, the scale by SCALE_RATE of the miss (load is shared by every shape)
+        and the factor by FACTOR_RATE (what is left is this step shape's own), the miss clipped to MAX_MISS either
+        way so that one disturbed step moves neither far."""
         predicted = self.step_cost(rows, width)
         if predicted <= 0 or seconds <= 0:
             return
         miss = min(max(seconds / predicted, 1 / self.MAX_MISS), self.MAX_MISS)
         self.scale *= miss**self.SCALE_RATE
-        self.factors[rows] = self.batch_factor(rows) * miss**self.FACTOR_RATE
+        self.factors[rows, width > 1] = self.batch_factor(rows, width) * miss**self.FACTOR_RATE
 
     def _interpolate(self, m: int) -> float:
         sizes, table = self.sizes, self.table

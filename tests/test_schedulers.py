@@ -270,6 +270,19 @@ def test_verify_cost_learns_each_batch_size_on_top_of_the_shared_scale():
     assert curve.step_cost(8, 2) <= before * 1.5**0.25 * (1 + 1e-9)
 
 
+def test_a_batch_learns_its_plain_steps_apart_from_its_verifies():
+    """A batch's plain step (one token a row) and its verifies of drafts differ from the table by different
+    factors: each is learned from its own kind, so a cheap plain step does not make a wide verify look cheap."""
+    curve = VerifyCostModel({1: 1.0, 4: 1.2, 16: 2.0})
+    for _ in range(100):
+        curve.observe_step(4, 1, 0.8)  # plain: cheaper than the table's 1.2
+        curve.observe_step(4, 4, 2.4)  # 4 x 4 tokens: dearer than the table's 2.0
+    assert curve.step_cost(4, 1) == pytest.approx(0.8, rel=0.02)
+    assert curve.step_cost(4, 4) == pytest.approx(2.4, rel=0.02)
+    assert curve.step_cost(4, 2) / curve.step_cost(4, 4) == pytest.approx(curve._interpolate(8) / 2.0)
+    assert curve.step_cost(2, 1) / curve.step_cost(4, 1) == pytest.approx(curve._interpolate(2) / 1.2)
+
+
 @pytest.mark.parametrize("bad", [-0.1, 1.5])
 def test_bad_threshold(bad):
     with pytest.raises(ValueError, match="threshold"):
