@@ -50,6 +50,7 @@ def parse_args(argv) -> tuple[argparse.Namespace, dict[str, list[str]]]:
     parser.add_argument("--out", default="runs/batching", help="folder for batching.jsonl and batching.json")
     args = parser.parse_args(argv)
     args.datasets, args.temperatures, args.min_new_tokens = [args.dataset], [0.0], args.max_new_tokens
+    args.min_pairs = 0  # every batch size runs --repeats times
     try:
         args.methods = split_list(args.methods, "--methods")
         args.batch_sizes = parse_numbers(args.batch_sizes, "--batch-sizes", int)

@@ -10,8 +10,8 @@ A cell is one (prompt set, temperature, batch size): the set's first --num-promp
 left-padded into batches of that size. In each repeat every method decodes every batch of every cell, the
 methods rotated batch by batch so that none always runs first, each timed end to end around its `generate` call
 (experiments.bench.run_method); --min-pairs N repeats a cell of few batches (a large batch size) until it has N
-paired runs. A method's tokens/s in a cell is its new tokens (each row's, up to its EOS) over
-its seconds summed over the cell's batches, the median over repeats. `NAME/best` is a drafting method's tokens/s
+paired runs. A method's tokens/s in a cell is its new tokens (each row's, up to its EOS) over its seconds summed
+over the cell's batches, the median over repeats. `NAME/best` is a drafting method's tokens/s
 over the better of plain `generate` and `hybrid-none` in the cell (above 1: the drafts pay there), and tau its
 tokens per verifier forward (per row).
 

@@ -171,8 +171,9 @@ class VerifyCostModel:
         """What observed steps of this many rows took against the scaled table, kept apart for plain steps (width 1)
         and verifies of drafts: a batch's plain step, one token a row, runs other shapes than one sequence's forward
         of as many tokens and can measure far cheaper than it where the batch's verifies run as the table says, so
-        one factor for both would make every verify look cheaper, or every plain step dearer, than it is. Where this (rows, kind) was never observed:
-        the nearest observed batch size of the same kind, else of the other; 1 before any."""
+        one factor for both would make every verify look cheaper, or every plain step dearer, than it is. Where this
+        (rows, kind) was never observed: the nearest observed batch size of the same kind, else of the other; 1
+        before any."""
         if not self.factors:
             return 1.0
         drafted = width > 1
