@@ -1,5 +1,6 @@
 """Prompt sets. MT-Bench and HumanEval are EVALUATION sets (read from the wheels that ship them):
-never build or tune anything on them. `dev` (experiments/prompts/dev.jsonl) is ours, for tuning. `heldout`
+never build or tune anything on them. `dev` and `dev-chat` (experiments/prompts/) are ours, for tuning: `dev` leans
+to code, `dev-chat` to everyday questions on topics the drafter was not trained on. `heldout`
 (experiments/prompts/heldout.jsonl) is ours and HELD OUT: chat questions unlike the drafter's training prompts,
 never used for training or tuning (experiments/prompts/README.md)."""
 
@@ -12,6 +13,7 @@ from pathlib import Path
 from verifiers.embedded import wheel_file
 
 DEV = Path(__file__).parent / "prompts" / "dev.jsonl"
+DEV_CHAT = Path(__file__).parent / "prompts" / "dev-chat.jsonl"
 HELD_OUT = Path(__file__).parent / "prompts" / "heldout.jsonl"
 
 
@@ -47,11 +49,17 @@ def jsonl(path: str | Path) -> list[str]:
     return prompts
 
 
-DATASETS = {"mt-bench": mt_bench, "humaneval": humaneval, "dev": lambda: jsonl(DEV), "heldout": lambda: jsonl(HELD_OUT)}
+DATASETS = {
+    "mt-bench": mt_bench,
+    "humaneval": humaneval,
+    "dev": lambda: jsonl(DEV),
+    "dev-chat": lambda: jsonl(DEV_CHAT),
+    "heldout": lambda: jsonl(HELD_OUT),
+}
 
 
 def load_prompts(name: str) -> list[str]:
-    """A dataset by name (mt-bench, humaneval, dev, heldout) or a path to a JSONL file."""
+    """A dataset by name (mt-bench, humaneval, dev, dev-chat, heldout) or a path to a JSONL file."""
     if name in DATASETS:
         return DATASETS[name]()
     if name.endswith(".jsonl"):

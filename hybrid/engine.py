@@ -149,6 +149,7 @@ def decode(
         row.drafter.reset(row.ctx)
 
     active = _drop_finished(verifier, rows)
+    steps_start = clock.total()
     while active:
         clock.lap()
         scheduler.set_rows([(max_length - row.ids.shape[1]) / row.stats.tau for row in active])
@@ -189,6 +190,7 @@ def decode(
             row.stats.verify_time += verify_time / len(active)
             row.stats.schedule_time += schedule_time / len(active)
         active = _drop_finished(verifier, active)
+    scheduler.finish([row.ids.shape[1] - row.prompt_len - 1 for row in rows], clock.total() - steps_start)
 
     for row in rows:  # the whole sequence, for a drafter that learns from what was committed
         row.ctx.input_ids = row.unmasked_ids()

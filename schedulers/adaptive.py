@@ -15,6 +15,7 @@ from pathlib import Path
 
 from drafters.base import Draft
 from schedulers.base import Scheduler
+from schedulers.batch_gate import BatchGate, plain_seconds
 from schedulers.calibration import AcceptanceModel
 from schedulers.cost_model import VerifyCostModel
 from schedulers.prior import PRIOR_OBSERVATIONS, shipped_prior
@@ -131,6 +132,11 @@ class CostAwareScheduler(_Calibrated):
     times, per batch size; draft cost is the mean measured seconds of a step of this many rows drafting with the
     stages that ran.
 
+    A call of several rows drafts only while whole calls of its batch size have measured faster with drafts than
+    without (`schedulers.batch_gate`): there a step's estimate misses what the call gains (it ends with its slowest
+    row), and the margin is thin. Its first call at a batch size runs plain; a call that may not draft is the
+    engine's plain step throughout.
+
     Before drafting it picks how many of the drafter's stages run (`drafting_stages`; a `ChainDrafter`'s sources,
     cheapest first): the n maximising Σ_r v_r (1 + T_n) / (D_n + verify cost(rows, width(W_n))), with T_n the mean
     accepted tokens per row the first n stages' nodes bring (weighted by v_r) and W_n the mean widest verify they
@@ -171,6 +177,9 @@ class CostAwareScheduler(_Calibrated):
                 raise ValueError("CostAwareScheduler needs the verifier (or costs=) to measure verification cost")
             self.verify_costs = VerifyCostModel.for_model(model)
         self._stages = self.num_stages  # until `drafting_stages` says otherwise
+        self._call_rows: int | None = None  # this call's rows at its first step (`set_rows`)
+        self._call_drafts = True  # whether the batch gate lets this call draft
+        self._call_drafted = False  # whether any of its steps ran a drafting stage
 
     def start_pair(self, prior: dict | None) -> None:
         self._step_stats = {s: [0, 0.0] for s in range(1, self.max_steps + 1)}  # passes -> [steps, tokens per s]
@@ -182,6 +191,7 @@ class CostAwareScheduler(_Calibrated):
         self._draft_cost: dict[int, list[list[float]]] = {}  # rows -> n stages -> [steps, seconds]
         self._credit: dict[int, float] = {}  # rows -> seconds exploration may still lose at that batch size
         self._weights: list[float] = []  # what a token of each row of this step is worth (`set_rows`)
+        self._gate = BatchGate()  # whether calls of several rows draft, from the calls before (`finish`)
 
     def _no_gain(self) -> list[list[float]]:
         return [[1, 0.0, 1.0]] + [[0, 0.0, 1.0] for _ in range(self.num_stages)]  # no stage: the pending token alone
@@ -203,6 +213,15 @@ class CostAwareScheduler(_Calibrated):
         row has left, so the rows that will finish last count fully and a row far ahead barely counts."""
         most = max(steps_left, default=0.0)
         self._weights = [left / most if most > 0 else 1.0 for left in steps_left]
+        if self._call_rows is None:  # the call's first step: its batch size decides whether it drafts
+            self._call_rows = len(steps_left)
+            self._call_drafts = self._gate.drafts(self._call_rows)
+
+    def finish(self, emitted: list[int], seconds: float) -> None:
+        rows = self._call_rows or len(emitted)
+        modelled = plain_seconds(emitted, lambda r: self.verify_costs.step_cost(r, self.verify_width(1, r)))
+        self._gate.finish(rows, self._call_drafted, modelled, seconds)
+        self._call_rows = None
 
     def _row_weights(self, rows: int) -> list[float]:
         return self._weights if len(self._weights) == rows else [1.0] * rows
@@ -219,11 +238,15 @@ class CostAwareScheduler(_Calibrated):
         return self._chosen_steps
 
     def drafting_stages(self, rows: int) -> int:
+        if not self._call_drafts:
+            self._stages = 0
+            return 0
         options = self.expected_stage_steps(rows)
         best = max(reversed(range(len(options))), key=lambda n: _rate(options[n]))  # a tie: more stages, measured
         if self.ALL_STAGES or (best < self.num_stages and self._explore(rows, options[best], options[-1])):
             best = self.num_stages
         self._stages = best
+        self._call_drafted |= best > 0
         return best
 
     def expected_stage_steps(self, rows: int) -> list[tuple[float, float]]:
@@ -321,7 +344,8 @@ class CostAwareScheduler(_Calibrated):
         rows = len(drafts)
         self.verify_costs.observe_step(rows, self.verify_width(1 + max(len(d) for d in drafts), rows), verify_time)
         self._observe_stages(drafts, accepted, sum(draft_times))
-        self._credit[rows] = self._credit.get(rows, 0.0) + self.EXPLORE_SHARE * (sum(draft_times) + verify_time)
+        if self._call_drafts:  # a call the batch gate keeps plain explores nothing, so earns no credit
+            self._credit[rows] = self._credit.get(rows, 0.0) + self.EXPLORE_SHARE * (sum(draft_times) + verify_time)
         if self._stages == self.num_stages:  # passes are compared on steps that ran every stage
             self._observe_steps(sum(map(len, accepted)) + rows, sum(draft_times) + verify_time)
 

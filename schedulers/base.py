@@ -11,7 +11,8 @@ def unpadded(m: int, rows: int = 1) -> int:
 
 class Scheduler:
     """Each step the engine asks `max_draft_length()`, `denoising_steps()` and `drafting_stages(rows)` before
-    drafting, `select(draft)` after it, and reports the outcome to `update`. `reset` starts a new `generate` call. A draft is a chain or a token tree
+    drafting, `select(draft)` after it, and reports the outcome to `update`. `reset` starts a new `generate` call and
+    `finish` ends it. A draft is a chain or a token tree
     (`drafters.Draft`); "tokens" below are its nodes, best first, and a selection is a prefix of them."""
 
     verify_width = staticmethod(unpadded)  # see `set_verify_width`
@@ -35,6 +36,10 @@ class Scheduler:
     def set_rows(self, steps_left: list[float]) -> None:
         """Told by the engine before each step: the rows about to be decoded, in batch order, each as the steps it is
         expected to need still (tokens it may still emit over its tokens per step so far). Default: ignored."""
+
+    def finish(self, emitted: list[int], seconds: float) -> None:
+        """Told by the engine after a call's last step: the tokens each row emitted after its first (which the
+        prefill gives), and the seconds its steps took, drafting and verifying. Default: ignored."""
 
     def max_draft_length(self) -> int:
         """How many tokens (tree nodes) to ask the drafter for. Default: as many as it drafts."""

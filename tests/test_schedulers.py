@@ -23,6 +23,7 @@ from schedulers import (
     VerifyCostModel,
 )
 from schedulers.adaptive import expected_accepted, pair_fingerprint
+from schedulers.batch_gate import BatchGate, plain_seconds
 from schedulers.cost_model import measure_verify_costs
 from schedulers.prior import PRIOR_FILE, PRIOR_OBSERVATIONS, write_prior
 from verifiers.verifier import static_width
@@ -500,3 +501,56 @@ def test_a_stage_chosen_on_another_batch_sizes_estimate_is_corrected_by_its_own_
         width = 1 + max(map(len, drafts))
         s.update_batch(drafts, [[] for _ in drafts], [0.001 * (n > 0)] * 4, s.verify_costs.step_cost(4, width))
     assert chosen[0] == 1 and chosen[-10:] == [0] * 10
+
+
+# --------------------------------------------------------------------------- batches: whole calls decide
+
+
+def test_plain_seconds_counts_one_step_per_token_over_the_rows_still_decoding():
+    """Rows emitting 3, 1 and 0 tokens after their first: step 1 decodes 2 rows, steps 2 and 3 one."""
+    assert plain_seconds([3, 1, 0], lambda rows: float(rows)) == 2 + 1 + 1
+    assert plain_seconds([0, 0], lambda rows: 1.0) == 0.0
+
+
+def test_the_batch_gate_drafts_while_calls_with_drafts_measure_faster():
+    """A batch size's first call runs plain; the next drafts. Calls that lose keep it plain for 1, 2, 4, ...
+    calls (at most MAX_WAIT) before drafting is tried again; one that wins lets it draft on. Batch 1 always drafts."""
+    gate, rows = BatchGate(), 4
+    assert gate.drafts(1) and not gate.drafts(rows)
+    gate.finish(rows, drafted=False, modelled=10.0, seconds=12.0)  # plain calls take 1.2x the model's seconds
+    taken = []
+    for speedup in [0.8, 0.8, 0.8, 0.8, 0.8, 0.8]:
+        while not gate.drafts(rows):
+            taken.append("plain")
+            gate.finish(rows, drafted=False, modelled=10.0, seconds=12.0)
+        taken.append("drafts")
+        gate.finish(rows, drafted=True, modelled=10.0, seconds=12.0 / speedup)
+    assert taken == ["drafts"] + ["plain", "drafts"] + ["plain"] * 2 + ["drafts"] + ["plain"] * 4 + ["drafts"] + [
+        "plain"
+    ] * 8 + ["drafts"] + ["plain"] * 16 + ["drafts"]
+    assert gate.speedup(rows) == pytest.approx(0.8)
+    for _ in range(4):  # drafting that pays again: one try finds it, and it stays on
+        while not gate.drafts(rows):
+            gate.finish(rows, drafted=False, modelled=10.0, seconds=12.0)
+        gate.finish(rows, drafted=True, modelled=10.0, seconds=12.0 / 1.5)
+    assert gate.speedup(rows) > 1 and gate.drafts(rows)
+
+
+def test_a_batch_call_drafts_only_once_plain_calls_have_measured_its_batch_size():
+    """The default scheduler's first call of 2 rows runs the engine's plain step throughout (its drafter is never
+    asked); the next drafts. Either way the output is `generate`'s."""
+    proposed = []
+
+    class Lookup(PromptLookupDrafter):  # each row drafts with a fork: the list is what they share
+        def propose(self, ctx, max_tokens):
+            proposed.append(ctx.row)
+            return super().propose(ctx, max_tokens)
+
+    model = tiny_model("llama", 48, 2, seed=0)
+    prompt = torch.tensor([[5, 6, 7, 5, 6, 7, 5, 6], [1, 2, 3, 4, 1, 2, 3, 4]])
+    expected = model.generate(prompt, max_new_tokens=12, do_sample=False)
+    lookup, scheduler = Lookup(max_ngram=2, max_draft_len=4), CostAwareScheduler(costs=FLAT)
+    assert torch.equal(hybrid.generate(model, prompt, drafter=lookup, scheduler=scheduler, max_new_tokens=12), expected)
+    assert not proposed and scheduler._gate.speedup(2) is None
+    assert torch.equal(hybrid.generate(model, prompt, drafter=lookup, scheduler=scheduler, max_new_tokens=12), expected)
+    assert proposed and scheduler._gate.speedup(2) is not None
