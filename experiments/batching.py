@@ -36,7 +36,9 @@ def parse_args(argv) -> tuple[argparse.Namespace, dict[str, list[str]]]:
         prog="python -m experiments.batching", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", default="default", help=MODEL_HELP)
-    parser.add_argument("--dataset", default="mt-bench", help="dev, mt-bench, humaneval, heldout or a .jsonl file")
+    parser.add_argument(
+        "--dataset", default="mt-bench", help="dev, dev-chat, mt-bench, humaneval, heldout or a .jsonl file"
+    )
     parser.add_argument("--num-prompts", type=int, default=4, help="a multiple of every batch size")
     parser.add_argument("--batch-sizes", default="1,2,4")
     parser.add_argument("--max-new-tokens", type=int, default=64)

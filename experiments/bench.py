@@ -279,7 +279,7 @@ def parse_args(argv):
         prog="python -m experiments.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--dataset", default="dev", help="dev, mt-bench, humaneval, heldout or a .jsonl file of prompts"
+        "--dataset", default="dev", help="dev, dev-chat, mt-bench, humaneval, heldout or a .jsonl file of prompts"
     )
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=128)

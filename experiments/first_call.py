@@ -96,7 +96,9 @@ def parse_args(argv):
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--dataset", default="dev", help="dev, mt-bench, humaneval or a .jsonl file of prompts")
+    parser.add_argument(
+        "--dataset", default="dev", help="dev, dev-chat, mt-bench, humaneval, heldout or a .jsonl file of prompts"
+    )
     parser.add_argument("--num-prompts", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--warm-prompts", type=int, default=4, help="dev prompts the warmed call runs after")

@@ -473,7 +473,7 @@ def parse_args(argv) -> tuple[argparse.ArgumentParser, argparse.Namespace, dict[
     parser.add_argument(
         "--datasets",
         default="dev,mt-bench,humaneval,heldout",
-        help="comma list of dev, mt-bench, humaneval, heldout or .jsonl prompt files",
+        help="comma list of dev, dev-chat, mt-bench, humaneval, heldout or .jsonl prompt files",
     )
     parser.add_argument("--batch-sizes", default="1,2,4,8")
     parser.add_argument("--temperatures", default="0,0.7,1.0", help="comma list; 0 = greedy")

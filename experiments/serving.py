@@ -283,7 +283,9 @@ def parse_args(argv):
     parser.add_argument("--verifier", default="default", help="default (embedded SmolLM2), tiny, or a model folder")
     parser.add_argument("--drafter", default="default", help="hybrid's drafter (see python -m hybrid export-served)")
     parser.add_argument("--servers", default=",".join(SERVERS), help=f"comma-separated, of {', '.join(SERVERS)}")
-    parser.add_argument("--dataset", default="dev", help="dev, mt-bench, humaneval or a .jsonl of prompts")
+    parser.add_argument(
+        "--dataset", default="dev", help="dev, dev-chat, mt-bench, humaneval, heldout or a .jsonl of prompts"
+    )
     parser.add_argument("--concurrency", default="1,2,4", help="comma-separated numbers of concurrent clients")
     parser.add_argument("--requests", type=int, default=4, help="requests per server and level (at least N)")
     parser.add_argument("--max-tokens", type=int, default=256)

@@ -166,3 +166,4 @@ def test_the_held_out_set_is_registered():
     texts = regimes.load_prompts("heldout")
     assert len(texts) == len(set(texts)) >= 24
     assert not set(texts) & set(regimes.load_prompts("dev"))
+    assert not set(texts) & set(regimes.load_prompts("dev-chat"))
