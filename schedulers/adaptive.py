@@ -221,7 +221,6 @@ class CostAwareScheduler(_Calibrated):
         rows = self._call_rows or len(emitted)
         modelled = plain_seconds(emitted, lambda r: self.verify_costs.step_cost(r, self.verify_width(1, r)))
         self._gate.finish(rows, self._call_drafted, modelled, seconds)
-        self._call_rows = None
 
     def _row_weights(self, rows: int) -> list[float]:
         return self._weights if len(self._weights) == rows else [1.0] * rows

@@ -5,9 +5,9 @@ its slowest row, so tokens accepted by the others are worth less than one step's
 against the wider verify every row then pays (about 1.4x a plain step at 8 rows x 2 tokens on the 2-core CPU this
 project is measured on): a step-by-step estimate off by a few percent, or calibrated on other text, drafts where the
 call loses. So at every batch size of more than one row the calls themselves decide (`BatchGate`): the first runs
-plain and measures what plain steps of those rows take; the next drafts, and its realized speed-up is its time over
-what the same tokens would have taken plain (`plain_seconds`, the cost model's plain steps, corrected by what the
-plain calls measured against it). While that stays at least 1, calls draft; below it they run plain, and drafting
+plain and measures what plain steps of those rows take; the next drafts, and its realized speed-up is what the same
+tokens would have taken plain (`plain_seconds`, the cost model's plain steps, corrected by what the plain calls
+measured against it) over its time. While that stays at least 1, calls draft; below it they run plain, and drafting
 is tried again after 1, 2, 4, ... plain calls (at most MAX_WAIT), so a batch size where drafting loses costs about one
 losing call in MAX_WAIT + 1, and one where it starts to pay (other prompts, a warmer calibration) is found again.
 """
@@ -18,12 +18,10 @@ from __future__ import annotations
 def plain_seconds(emitted: list[int], step_seconds) -> float:
     """Seconds plain decoding takes for rows that emit `emitted` tokens each after their first: one step per token,
     every row still unfinished in it, each step costing `step_seconds(rows)`."""
-    alive = sorted(emitted, reverse=True)
-    total, rows = 0.0, len(alive)
-    for step in range(1, alive[0] + 1 if alive else 1):
-        while rows and alive[rows - 1] < step:
-            rows -= 1
-        total += step_seconds(rows)
+    total, done = 0.0, 0  # steps already counted
+    for finished, tokens in enumerate(sorted(emitted)):  # the steps up to a row's last run every row not yet done
+        total += (tokens - done) * step_seconds(len(emitted) - finished)
+        done = tokens
     return total
 
 
