@@ -21,9 +21,9 @@ mkdir -p runs/first-call && python -m experiments.first_call --dataset mt-bench 
 mkdir -p runs/online-store && python -m experiments.online_store --model default --num-prompts 4 --max-new-tokens 128 \
     --out runs/online-store/summary.json | tee runs/online-store/table.txt
 # Where the drafts pay: plain generate, the engine without drafts and the default, over the four prompt sets x
-# batch sizes 1, 2, 4, 8, greedy and T 0.7, at least 4 paired runs a cell (table.txt, regimes.png; about 25-30 minutes a
-# temperature on 2 cores; add 1.0 to --temperatures for sampling, about 25-30 minutes each).
-python -m experiments.regimes --datasets heldout,dev,mt-bench,humaneval --batch-sizes 1,2,4,8 --temperatures 0,0.7 \
+# batch sizes 1, 2, 4, 8, greedy, T 0.7 and T 1.0, at least 4 paired runs a cell (table.txt, regimes.png; about
+# 30-40 minutes a temperature on 2 cores).
+python -m experiments.regimes --datasets heldout,dev,mt-bench,humaneval --batch-sizes 1,2,4,8 --temperatures 0,0.7,1.0 \
     --num-prompts 8 --max-new-tokens 64 --repeats 1 --min-pairs 4 --out runs/regimes
 # The block model reading known tokens: four fine-tunes of the shipped checkpoint at one CPU budget (the same 11
 # shards of answers to prompts the GPU recipe never answered, 30 k document tokens, steps and seed), masked positions
