@@ -13,10 +13,10 @@ REFRESH still runs plain, so that correction follows the machine rather than res
 One call's time is a noisy reading (on a shared machine identical calls differ by 10-20%), and a batch size where
 drafting truly gains a few percent is worth less than one where it truly loses costs. So calls keep drafting only
 while the running speed-up stays above 1 by its uncertainty: the spread the calls' readings have shown around
-their running means (`noise`), shrunk by how many readings the running speed-up and the plain correction hold. Below that they run plain, and
-drafting is tried again after 1, 2, 4, ... plain calls (at most MAX_WAIT), so a batch size where drafting loses costs
-about one losing call in MAX_WAIT + 1, and one where it starts to pay (other prompts, a warmer calibration) is found
-again after a few tries.
+their running means (`noise`), shrunk by how many readings the running speed-up and the plain correction hold.
+Below that they run plain, and drafting is tried again after 1, 2, 4, ... plain calls (at most MAX_WAIT), so a batch
+size where drafting loses costs about one losing call in MAX_WAIT + 1, and one where it starts to pay (other
+prompts, a warmer calibration) is found again after a few tries.
 """
 
 from __future__ import annotations
@@ -87,18 +87,16 @@ class BatchGate:
         if rows <= 1 or modelled <= 0 or seconds <= 0:
             return
         if not drafted:
-            fit = self._log_fit.get(rows)
-            self._log_fit[rows] = self._fold(fit, math.log(seconds / modelled))
-            self._fit_spread[rows] = self._spread_after(self._fit_spread.get(rows) if fit is not None else None)
+            self._log_fit[rows] = self._fold(self._log_fit.get(rows), math.log(seconds / modelled))
+            self._fit_spread[rows] = self._spread_after(self._fit_spread.get(rows))
             self._plain_calls[rows] = self._plain_calls.get(rows, 0) + 1
             self._since_plain[rows] = 0
             self._wait[rows] = self._wait.get(rows, 0) - 1
             return
         self._since_plain[rows] = self._since_plain.get(rows, 0) + 1
         reading = self._log_fit.get(rows, 0.0) + math.log(modelled / seconds)
-        mean = self._log_speedup.get(rows)
-        self._log_speedup[rows] = self._fold(mean, reading)
-        self._spread[rows] = self._spread_after(self._spread.get(rows) if mean is not None else None)
+        self._log_speedup[rows] = self._fold(self._log_speedup.get(rows), reading)
+        self._spread[rows] = self._spread_after(self._spread.get(rows))
         if self._pays(rows):
             self._backoff[rows] = 1
         else:
@@ -106,7 +104,8 @@ class BatchGate:
             self._backoff[rows] = min(2 * self._wait[rows], self.MAX_WAIT)
 
     def _spread_after(self, spread: float | None) -> float:
-        """A running mean's variance over one reading's once another reading is folded in (1: its first)."""
+        """A running mean's variance over one reading's once another reading is folded in (`spread` None: the
+        mean's first reading, 1)."""
         return 1.0 if spread is None else (1 - self.MOVING) ** 2 * spread + self.MOVING**2
 
     def _fold(self, mean: float | None, reading: float) -> float:
