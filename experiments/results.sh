@@ -47,6 +47,22 @@ mkdir -p runs/heldout && python -m experiments.heldout --block drafters/checkpoi
 python -m experiments.heldout --block drafters/checkpoints/smollm2-135m-block --masked-input nearest_known \
     --passes 1,2,3 --reveal --lookup 7 --anchors-per-answer 16 | tee runs/heldout/shipped-nearest-known.md
 for run in ft-anchor-prefix05 ft-nk-prefix05 ft-nk-prefix05-keep2 ft-nk-prefix05-keep8; do cp $W/$run/training.json runs/heldout/$run-training.json; done
+# The same reading on the GPU recipe's own answers (restored from the token ids of a GPU run): the shipped checkpoint
+# fine-tuned with nearest_known, half or a quarter of the blocks given a prefix, and half keeping its drafts.
+W=~/.cache/hybrid/drafter-gpu
+python -m drafters.training.answer_sets restore --answers drafters/training/data/smollm2-135m-recipe --work-dir $W
+RT="python -m drafters.training.train --arch block --init-from drafters/checkpoints/smollm2-135m-block --work-dir $W \
+    --gen-shards 1 --gen-batch 512 --synthetic-prompts 8000 --doc-tokens 20000 --seqs-per-step 8 --anchors-per-seq 64 \
+    --block-size 8 --layers 2 --gamma 2 --lr 1e-3 --steps 300 --eval-every 100 --save-every 100 \
+    --masked-input nearest_known --reveal-scheme prefix --threads 2"
+$RT --reveal-prob 0.5 --out $W/ft-recipe-nk
+$RT --reveal-prob 0.25 --out $W/ft-recipe-nk-r025
+$RT --reveal-prob 0.5 --keep-weight 4 --out $W/ft-recipe-nk-keep4
+python -m experiments.heldout --block drafters/checkpoints/smollm2-135m-block --block $W/ft-recipe-nk \
+    --block $W/ft-recipe-nk-keep4 --block $W/ft-recipe-nk-r025 --passes 1,2,3,7 --reveal --fill \
+    --ngram-store drafters/checkpoints/smollm2-135m-ngram --max-ngrams 32 --prefer-store 0.5 --lookup 7 \
+    --anchors-per-answer 16 | tee runs/heldout/recipe-data.md
+for run in ft-recipe-nk ft-recipe-nk-r025 ft-recipe-nk-keep4; do cp $W/$run/training.json runs/heldout/$run-training.json; done
 # DFlash's architecture against the block drafter's on one small data set (2 shards of answers + 30 k document
 # tokens): the same steps (300 each), and the block drafter at DFlash's compute (1800 steps); held-out tau of each.
 W=~/.cache/hybrid/drafter-extras

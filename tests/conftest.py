@@ -7,10 +7,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import Phase, settings
 
 # experiments/gpu_check.sh runs the property tests on a GPU: every tensor and model a test makes goes there.
 if os.environ.get("HYBRID_TEST_DEVICE"):
     torch.set_default_device(os.environ["HYBRID_TEST_DEVICE"])
+
+# `--hypothesis-profile no-shrink` (experiments/gpu_check.sh): a failing example is reported as found, unshrunk.
+settings.register_profile("no-shrink", phases=[Phase.explicit, Phase.reuse, Phase.generate])
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests import `strategies` directly
 

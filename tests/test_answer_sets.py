@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
 
-from drafters.training.answer_sets import fine_tune_prompts, load_answers, recipe_split, save_answers
+from drafters.training.answer_sets import (
+    RECIPE_BATCH,
+    RECIPE_FOLDER,
+    RECIPE_TURNS,
+    fine_tune_prompts,
+    load_answers,
+    pack_recipe,
+    recipe_split,
+    restore_recipe,
+    save_answers,
+)
 from drafters.training.batches import revealed
 from drafters.training.corpus import prompt_file
 from drafters.training.losses import position_weights
@@ -31,6 +43,25 @@ def test_answers_round_trip_as_token_ids(tmp_path):
         save_answers([{"ids": [70000], "prompt_len": 0}], tmp_path / "big", {})
     with pytest.raises(FileNotFoundError, match="answer_sets heldout"):
         load_answers(tmp_path / "missing")
+
+
+def test_a_recipe_run_packs_and_restores_as_its_generate_stage_left_it(tmp_path):
+    run, restored = tmp_path / "run", tmp_path / "restored"
+    (run / RECIPE_FOLDER).mkdir(parents=True)
+    rows = [{"ids": [i, i + 1, i + 2], "prompt_len": 1 + i % 2} for i in range(RECIPE_BATCH + 3)]  # two shards
+    shards = [rows[:RECIPE_BATCH], rows[RECIPE_BATCH:]]
+    for index, shard in enumerate(shards):
+        (run / RECIPE_FOLDER / f"gen-{index:05d}.json").write_text(json.dumps(shard))
+    (run / RECIPE_TURNS).write_text('["a sampled user turn"]')
+
+    pack_recipe(run, tmp_path / "packed")
+    restore_recipe(tmp_path / "packed", restored)
+    written = sorted((restored / RECIPE_FOLDER).glob("gen-*.json"))
+    assert [p.name for p in written] == ["gen-00000.json", "gen-00001.json"]
+    assert [json.loads(p.read_text()) for p in written] == shards
+    assert (restored / RECIPE_TURNS).read_text() == '["a sampled user turn"]'
+    with pytest.raises(FileNotFoundError, match="gpu_train.sh"):
+        pack_recipe(tmp_path / "empty", tmp_path / "nothing")
 
 
 def test_a_prompt_file_names_its_bad_line(tmp_path):

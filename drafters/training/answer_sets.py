@@ -13,7 +13,14 @@ are the same on every machine (the sampled turns are not: they depend on the dev
   (`experiments.heldout --answers FOLDER`), without the features cache of a past run;
 - `finetune` writes the templated prompts the recipe never answered (neither trained on nor held out), with the
   code tasks it trained on, as a prompt file for `drafters.training.train --prompts`: new data for a fine-tune of
-  the shipped drafter (`fine_tune_prompts`).
+  the shipped drafter (`fine_tune_prompts`);
+- `recipe` packs the answers a GPU run of the recipe generated (its --work-dir's `RECIPE_FOLDER`, 1.4 M answer
+  tokens that take a 2-core CPU hours to regenerate) and the user turns it sampled into a folder of a few MB, and
+  `restore` writes them back into a --work-dir as the generate stage left them, so `drafters.training.train` with
+  the recipe's data flags trains on them on any machine, starting at the features stage:
+
+    python -m drafters.training.answer_sets recipe --work-dir ~/.cache/hybrid/drafter-gpu --out FOLDER
+    python -m drafters.training.answer_sets restore --answers FOLDER --work-dir ~/.cache/hybrid/drafter-gpu
 """
 
 from __future__ import annotations
@@ -28,9 +35,13 @@ import torch
 from drafters.training.corpus import chat_prompts
 from drafters.training.distill import HELD_OUT_EVERY, generate_shards, interleave
 
-RECIPE_ANSWERED = 13 * 512  # GEN_SHARDS x GEN_BATCH of experiments/gpu_train.sh
+RECIPE_BATCH = 512  # GEN_BATCH of experiments/gpu_train.sh
+RECIPE_ANSWERED = 13 * RECIPE_BATCH  # its GEN_SHARDS x GEN_BATCH
 RECIPE_SYNTHETIC = 8000  # its SYNTHETIC
-ANSWERS_NAME, INFO_NAME = "answers.safetensors", "answers.json"
+# The folders its generate stage writes under --work-dir (drafters.training.train.training_prompts names them).
+RECIPE_FOLDER = f"generated-b{RECIPE_BATCH}-syn{RECIPE_SYNTHETIC}"
+RECIPE_TURNS = f"synthetic-prompts-{RECIPE_SYNTHETIC}-s0.json"
+ANSWERS_NAME, INFO_NAME, TURNS_NAME = "answers.safetensors", "answers.json", "synthetic-prompts.json"
 
 
 def recipe_split(
@@ -114,6 +125,46 @@ def answer_held_out(out: Path, work_dir: Path, batch_size: int, max_new_tokens: 
     print(f"{len(rows)} held-out answers in {out / ANSWERS_NAME}")
 
 
+def pack_recipe(work_dir: Path, out: Path) -> None:
+    """The recipe's generated answers under `work_dir` as compact token ids, with the user turns it sampled."""
+    shards = sorted((work_dir / RECIPE_FOLDER).glob("gen-*.json"))
+    turns = work_dir / RECIPE_TURNS
+    if not shards or not turns.is_file():
+        raise FileNotFoundError(
+            f"no {RECIPE_FOLDER}/gen-*.json or {RECIPE_TURNS} under {work_dir}: pass the --work-dir a run of "
+            "experiments/gpu_train.sh generated into (its WORK)"
+        )
+    rows = [r for path in shards for r in json.loads(path.read_text())]
+    info = {
+        "what": f"the verifier's greedy answers of a GPU run of experiments/gpu_train.sh ({len(shards)} shards)",
+        "command": f"python -m drafters.training.answer_sets recipe --work-dir {work_dir} --out {out}",
+        "shard_size": RECIPE_BATCH,
+    }
+    save_answers(rows, out, info)
+    (out / TURNS_NAME).write_bytes(turns.read_bytes())
+    print(f"{len(rows)} answers of {len(shards)} shards and the sampled user turns in {out}")
+
+
+def restore_recipe(folder: Path, work_dir: Path) -> None:
+    """Write `pack_recipe`'s answers back as the generate stage's shards (and the sampled turns) under `work_dir`;
+    shards already there are kept."""
+    rows = load_answers(folder)
+    gen_dir = work_dir / RECIPE_FOLDER
+    gen_dir.mkdir(parents=True, exist_ok=True)
+    for index, start in enumerate(range(0, len(rows), RECIPE_BATCH)):
+        path = gen_dir / f"gen-{index:05d}.json"
+        if not path.exists():
+            shard = [{"ids": r["ids"], "prompt_len": r["prompt_len"]} for r in rows[start : start + RECIPE_BATCH]]
+            path.write_text(json.dumps(shard))
+    turns = work_dir / RECIPE_TURNS
+    if not turns.exists():
+        turns.write_bytes((Path(folder) / TURNS_NAME).read_bytes())
+    print(
+        f"{len(rows)} answers in {gen_dir}: train with --work-dir {work_dir} --gen-batch {RECIPE_BATCH} "
+        f"--synthetic-prompts {RECIPE_SYNTHETIC} --gen-shards N (up to {index + 1})"
+    )
+
+
 def main(argv=None) -> None:
     from drafters.training.train import DEFAULT_WORK_DIR
 
@@ -122,12 +173,28 @@ def main(argv=None) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("set", choices=("heldout", "finetune"))
-    parser.add_argument("--out", type=Path, required=True, help="heldout: a folder; finetune: a .jsonl prompt file")
-    parser.add_argument("--work-dir", type=Path, default=DEFAULT_WORK_DIR, help="where heldout's shards are cached")
+    parser.add_argument("set", choices=("heldout", "finetune", "recipe", "restore"))
+    parser.add_argument("--out", type=Path, help="heldout, recipe: a folder; finetune: a .jsonl prompt file")
+    parser.add_argument("--answers", type=Path, help="restore: the folder `recipe` wrote")
+    parser.add_argument(
+        "--work-dir",
+        type=Path,
+        default=DEFAULT_WORK_DIR,
+        help="heldout: where its shards are cached; recipe: read from, restore: written to (the recipe's WORK)",
+    )
     parser.add_argument("--batch-size", type=int, default=52, help="heldout: prompts answered per batch")
     parser.add_argument("--max-new-tokens", type=int, default=256, help="heldout: the longest answer")
     args = parser.parse_args(argv)
+    if args.set == "restore":
+        if args.answers is None:
+            parser.error("restore needs --answers FOLDER (what `recipe` wrote)")
+        restore_recipe(args.answers, args.work_dir)
+        return
+    if args.out is None:
+        parser.error(f"{args.set} needs --out")
+    if args.set == "recipe":
+        pack_recipe(args.work_dir, args.out)
+        return
     if args.set == "heldout":
         answer_held_out(args.out, args.work_dir, args.batch_size, args.max_new_tokens)
         return
