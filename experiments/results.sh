@@ -62,7 +62,13 @@ python -m experiments.heldout --block drafters/checkpoints/smollm2-135m-block --
     --block $W/ft-recipe-nk-keep4 --block $W/ft-recipe-nk-r025 --passes 1,2,3,7 --reveal --fill \
     --ngram-store drafters/checkpoints/smollm2-135m-ngram --max-ngrams 32 --prefer-store 0.5 --lookup 7 \
     --anchors-per-answer 16 | tee runs/heldout/recipe-data.md
-for run in ft-recipe-nk ft-recipe-nk-r025 ft-recipe-nk-keep4; do cp $W/$run/training.json runs/heldout/$run-training.json; done
+$RT --reveal-prob 0.5 --keep-weight 4 --gen-shards 3 --out $W/ft-recipe-nk-keep4-g3  # three times the answers
+python -m experiments.heldout --block $W/ft-recipe-nk-keep4-g3 --passes 1,2,3,7 --reveal --fill \
+    --ngram-store drafters/checkpoints/smollm2-135m-ngram --max-ngrams 32 --prefer-store 0.5 --lookup 7 \
+    --anchors-per-answer 16 | tee runs/heldout/recipe-data-g3.md
+for run in ft-recipe-nk ft-recipe-nk-r025 ft-recipe-nk-keep4 ft-recipe-nk-keep4-g3; do
+    cp $W/$run/training.json runs/heldout/$run-training.json
+done
 # DFlash's architecture against the block drafter's on one small data set (2 shards of answers + 30 k document
 # tokens): the same steps (300 each), and the block drafter at DFlash's compute (1800 steps); held-out tau of each.
 W=~/.cache/hybrid/drafter-extras
