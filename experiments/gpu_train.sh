@@ -14,8 +14,8 @@
 #   - with DFLASH=1, a drafter in DFlash's architecture, same layers, data and steps, scored against the block
 #     drafter by experiments.heldout --block OUT_DIR/block --dflash OUT_DIR/dflash.
 # On an H200 the block run takes ~8 min end to end (sampling user turns ~1 min, answering ~3.5 min, features
-# ~1 min, training ~2 min at 4.4 steps/s), the baseline ~1 min more once those stages are cached. Knobs can be overridden from the environment (DEVICE=cpu SYNTHETIC=16 ... for a
-# smoke run; BASELINE=0 skips the baseline).
+# ~1 min, training ~2 min at 4.4 steps/s), the baseline ~1 min. Knobs can be overridden from the environment
+# (DEVICE=cpu SYNTHETIC=16 ... for a smoke run; BASELINE=0 skips the baseline).
 set -euo pipefail
 OUT=${1:?usage: gpu_train.sh OUT_DIR}
 DEVICE=${DEVICE:-cuda}

@@ -33,14 +33,21 @@ import numpy as np
 import torch
 
 from drafters.training.corpus import chat_prompts
-from drafters.training.distill import HELD_OUT_EVERY, generate_shards, interleave
+from drafters.training.distill import (
+    HELD_OUT_EVERY,
+    generate_shards,
+    interleave,
+    shard_path,
+    synthetic_answers_name,
+    synthetic_turns_name,
+)
 
 RECIPE_BATCH = 512  # GEN_BATCH of experiments/gpu_train.sh
 RECIPE_ANSWERED = 13 * RECIPE_BATCH  # its GEN_SHARDS x GEN_BATCH
 RECIPE_SYNTHETIC = 8000  # its SYNTHETIC
-# The folders its generate stage writes under --work-dir (drafters.training.train.training_prompts names them).
-RECIPE_FOLDER = f"generated-b{RECIPE_BATCH}-syn{RECIPE_SYNTHETIC}"
-RECIPE_TURNS = f"synthetic-prompts-{RECIPE_SYNTHETIC}-s0.json"
+# What its generate stage writes under --work-dir: the answers' folder and the sampled turns' file (seed 0).
+RECIPE_FOLDER = synthetic_answers_name(RECIPE_BATCH, RECIPE_SYNTHETIC)
+RECIPE_TURNS = synthetic_turns_name(RECIPE_SYNTHETIC, seed=0)
 ANSWERS_NAME, INFO_NAME, TURNS_NAME = "answers.safetensors", "answers.json", "synthetic-prompts.json"
 
 
@@ -105,6 +112,11 @@ def load_answers(folder: Path) -> list[dict]:
     ]
 
 
+def shard_rows(shards: list[Path]) -> list[dict]:
+    """The answers of the generate stage's shard files, in order."""
+    return [r for path in shards for r in json.loads(path.read_text())]
+
+
 def answer_held_out(out: Path, work_dir: Path, batch_size: int, max_new_tokens: int) -> None:
     from verifiers.embedded import load_verifier
 
@@ -114,7 +126,7 @@ def answer_held_out(out: Path, work_dir: Path, batch_size: int, max_new_tokens: 
     generate_shards(
         verifier, tokenizer, held, gen_dir, float("inf"), batch_size=batch_size, max_new_tokens=max_new_tokens
     )
-    rows = [r for path in sorted(gen_dir.glob("gen-*.json")) for r in json.loads(path.read_text())]
+    rows = shard_rows(sorted(gen_dir.glob("gen-*.json")))
     info = {
         "what": "greedy answers of the verifier to the templated prompts the GPU recipe holds out",
         "command": f"python -m drafters.training.answer_sets heldout --out {out} --batch-size {batch_size} "
@@ -134,7 +146,7 @@ def pack_recipe(work_dir: Path, out: Path) -> None:
             f"no {RECIPE_FOLDER}/gen-*.json or {RECIPE_TURNS} under {work_dir}: pass the --work-dir a run of "
             "experiments/gpu_train.sh generated into (its WORK)"
         )
-    rows = [r for path in shards for r in json.loads(path.read_text())]
+    rows = shard_rows(shards)
     info = {
         "what": f"the verifier's greedy answers of a GPU run of experiments/gpu_train.sh ({len(shards)} shards)",
         "command": f"python -m drafters.training.answer_sets recipe --work-dir {work_dir} --out {out}",
@@ -152,7 +164,7 @@ def restore_recipe(folder: Path, work_dir: Path) -> None:
     gen_dir = work_dir / RECIPE_FOLDER
     gen_dir.mkdir(parents=True, exist_ok=True)
     for index, start in enumerate(range(0, len(rows), RECIPE_BATCH)):
-        path = gen_dir / f"gen-{index:05d}.json"
+        path = shard_path(gen_dir, index)
         if not path.exists():
             shard = [{"ids": r["ids"], "prompt_len": r["prompt_len"]} for r in rows[start : start + RECIPE_BATCH]]
             path.write_text(json.dumps(shard))

@@ -114,6 +114,34 @@ def synthetic_user_turns(
     return turns
 
 
+def precision_suffix(dtype: str) -> str:
+    """What the names of a stage's cached files add for a verifier not in float32 (float32 names stay as they were)."""
+    return "" if dtype == "float32" else f"-{dtype}"
+
+
+def synthetic_turns_name(count: int, seed: int, dtype: str = "float32") -> str:
+    """The file under a work dir that caches `count` user turns sampled from the verifier with `seed`."""
+    return f"synthetic-prompts-{count}-s{seed}{precision_suffix(dtype)}.json"
+
+
+def answers_suffix(max_new_tokens: int, dtype: str) -> str:
+    """What the name of a folder of answers adds for another answer length or a verifier not in float32."""
+    return ("" if max_new_tokens == MAX_ANSWER_TOKENS else f"-n{max_new_tokens}") + precision_suffix(dtype)
+
+
+def synthetic_answers_name(
+    gen_batch: int, count: int, max_new_tokens: int = MAX_ANSWER_TOKENS, dtype: str = "float32"
+) -> str:
+    """The folder under a work dir the generate stage writes its answers to, for the templated prompts interleaved
+    with `count` sampled user turns, `gen_batch` a shard."""
+    return f"generated-b{gen_batch}-syn{count}{answers_suffix(max_new_tokens, dtype)}"
+
+
+def shard_path(gen_dir: Path, index: int) -> Path:
+    """The file of the generate stage's `index`-th shard of answers."""
+    return gen_dir / f"gen-{index:05d}.json"
+
+
 def interleave(a: list, b: list) -> list:
     """a and b merged evenly, so any prefix of the result holds both in proportion (a cut-short run stays mixed)."""
     keyed = [((i + 0.5) / len(a), 0, x) for i, x in enumerate(a)] + [
@@ -142,7 +170,7 @@ def generate_shards(
     eos = set(eos if isinstance(eos, list) else [eos])
     start, made = time.time(), 0
     for index, batch in enumerate(batches):
-        path = out_dir / f"gen-{index:05d}.json"
+        path = shard_path(out_dir, index)
         if path.exists():
             continue
         if time.time() - start > minutes * 60:

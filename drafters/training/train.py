@@ -54,11 +54,14 @@ from drafters.training.dflash import dflash_layers, initial_dflash_model
 from drafters.training.distill import (
     MAX_ANSWER_TOKENS,
     FeatureStore,
+    answers_suffix,
     build_features,
     generate_shards,
     interleave,
     load_sequences,
     split,
+    synthetic_answers_name,
+    synthetic_turns_name,
     synthetic_user_turns,
 )
 from drafters.training.estimate import estimate_tau, held_out_anchors, lookup_tau
@@ -230,8 +233,7 @@ def verifier_work_dir(work_dir: Path, fingerprint: dict) -> Path:
 def training_prompts(args, verifier, tokenizer, work: Path) -> tuple[list[str], str]:
     """The prompts the verifier answers, and the name of the folder their answers go to (named by what they depend on:
     float32 answers keep the names they have always had)."""
-    precision = "" if args.dtype == "float32" else f"-{args.dtype}"
-    length = ("" if args.max_new_tokens == MAX_ANSWER_TOKENS else f"-n{args.max_new_tokens}") + precision
+    length = answers_suffix(args.max_new_tokens, args.dtype)
     if args.prompts is not None:
         prompts = prompt_file(args.prompts)
         digest = hashlib.sha256("\n".join(prompts).encode()).hexdigest()[:8]
@@ -244,11 +246,13 @@ def training_prompts(args, verifier, tokenizer, work: Path) -> tuple[list[str], 
         verifier,
         tokenizer,
         args.synthetic_prompts,
-        work / f"synthetic-prompts-{args.synthetic_prompts}-s{args.seed}{precision}.json",
+        work / synthetic_turns_name(args.synthetic_prompts, args.seed, args.dtype),
         batch_size=args.gen_batch,
         seed=args.seed,
     )
-    return interleave(prompts, synthetic), f"generated-b{args.gen_batch}-syn{args.synthetic_prompts}{length}"
+    return interleave(prompts, synthetic), synthetic_answers_name(
+        args.gen_batch, args.synthetic_prompts, args.max_new_tokens, args.dtype
+    )
 
 
 def generate_stage(args, verifier, tokenizer, work: Path) -> tuple[Path, int]:
