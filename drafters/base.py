@@ -88,11 +88,12 @@ class Draft:
         return max(self.depths(), default=0)
 
     def keep(self, nodes: list[int]) -> Draft:
-        """The sub-draft of `nodes` (sorted, each node's parent among them or the pending token), renumbered."""
+        """The sub-draft of `nodes` in that order (each node's parent among them and before it, or the pending
+        token), renumbered."""
         index = {node: i for i, node in enumerate(nodes)}
         parents = self.parent_list()
-        if any(parents[n] >= 0 and parents[n] not in index for n in nodes):
-            raise ValueError(f"nodes {nodes} leave out a parent of one of them")
+        if any(parents[n] >= 0 and index.get(parents[n], len(nodes)) >= index[n] for n in nodes):
+            raise ValueError(f"nodes {nodes} leave out a parent of one of them or put it after its child")
         at = torch.tensor(nodes, dtype=torch.long, device=self.tokens.device)
         pick = lambda t: None if t is None else t[at.to(t.device)]  # noqa: E731
         renumbered = torch.tensor([index.get(parents[n], -1) for n in nodes], dtype=torch.long)

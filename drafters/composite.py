@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from drafters.base import Draft, DraftContext, Drafter
+from drafters.tree import add_path
 
 
 class ChainDrafter(Drafter):
@@ -18,17 +19,27 @@ class ChainDrafter(Drafter):
     block is proposed whole.
 
     Its `vocab_size`, `tokenizer` and `hidden_layers` are its sources' (which must agree), its `max_draft_len`,
-    `max_nodes` and `max_steps` the largest of theirs (each source runs at most its own); the rows of a batch are drafted source by
-    source, each through the source's `fill_rows` (one forward for the block model). Its `stages` are its sources: a
-    row whose context says `stages = n` is drafted by the first n alone, and each node's `Draft.stage` names its
-    source.
+    `max_nodes` and `max_steps` the largest of theirs (each source runs at most its own); the rows of a batch are
+    drafted source by source, each through the source's `fill_rows` (one forward for the block model). Its `stages`
+    are its sources: a row whose context says `stages = n` is drafted by the first n alone, and each node's
+    `Draft.stage` names its source.
+
+    With `branch = k > 0` the last source also drafts from the committed sequence alone, and its first k tokens join
+    the draft as a second path where they leave it (`drafters.tree.add_path`; nodes best first by the product of
+    their confidences): where the earlier sources' tokens are wrong, the last one's own guess is verified beside
+    them. Trees verify under the match rule only, so under `acceptance="rejection"` (ctx.do_sample) there is no
+    branch.
     """
 
-    def __init__(self, sources: list[Drafter]):
+    def __init__(self, sources: list[Drafter], branch: int = 0):
         sources = tuple(sources)
         if not sources or not all(isinstance(s, Drafter) for s in sources):
             raise TypeError(f"ChainDrafter takes a non-empty list of drafters.Drafter, got {sources!r}")
-        self.sources = sources
+        if not isinstance(branch, int) or isinstance(branch, bool) or branch < 0:
+            raise ValueError(f"branch must be an int >= 0 (0: no branch), got {branch!r}")
+        if branch and len(sources) < 2:
+            raise ValueError("branch > 0 needs two sources or more: the last one branches off the draft of the others")
+        self.sources, self.branch = sources, branch
         vocab_sizes = {s.vocab_size for s in sources if s.vocab_size is not None}
         layers = {tuple(s.hidden_layers) for s in sources if s.hidden_layers}
         if len(vocab_sizes) > 1:
@@ -39,13 +50,14 @@ class ChainDrafter(Drafter):
         self.tokenizer = next((s.tokenizer for s in sources if s.tokenizer is not None), None)
         self.hidden_layers = next(iter(layers), ())
         self.max_draft_len = max(s.max_draft_len for s in sources)
-        # A tree if any source grows one: the most nodes any source reaches.
-        self.max_nodes = max(s.node_budget for s in sources) if any(s.max_nodes for s in sources) else None
+        # A tree if any source grows one or the last branches: the most nodes any source reaches.
+        trees = branch or any(s.max_nodes for s in sources)
+        self.max_nodes = max(s.node_budget for s in sources) if trees else None
         self.max_steps = max(s.max_steps for s in sources)
         # Schedulers keep acceptance statistics per drafter: other sources, or other settings of one, are another.
         self.fingerprint = " + ".join(
             f"{type(s).__name__}:{s.max_draft_len}:{getattr(s, 'fingerprint', '')}" for s in sources
-        )
+        ) + (f" | branch {branch}" if branch else "")
 
     @property
     def stages(self) -> tuple[Drafter, ...]:
@@ -60,7 +72,7 @@ class ChainDrafter(Drafter):
             source.finish(ctx)
 
     def fork(self) -> ChainDrafter:
-        return ChainDrafter([source.fork() for source in self.sources])
+        return ChainDrafter([source.fork() for source in self.sources], self.branch)
 
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
         return self.propose_rows([self], [ctx], [max_tokens])[0]
@@ -86,6 +98,29 @@ class ChainDrafter(Drafter):
                 )
                 for r, draft in zip(rows, filled):
                     drafts[r] = with_stage(draft, drafts[r], i)
+        return self._branch(drafters, ctxs, drafts, max_tokens) if self.branch else drafts
+
+    def _branch(
+        self, drafters: list[Drafter], ctxs: list[DraftContext], drafts: list[Draft], max_tokens: list[int]
+    ) -> list[Draft]:
+        """`drafts` with the last source's own first `branch` tokens grown in (see the class), cut to each row's
+        `max_tokens` (a prefix of best-first nodes)."""
+        last = len(self.sources) - 1
+        source = self.sources[last]
+        rows = [
+            r
+            for r, ctx in enumerate(ctxs)
+            if not ctx.do_sample and (ctx.stages is None or last < ctx.stages) and len(drafts[r]) and max_tokens[r]
+        ]
+        if not rows:
+            return drafts
+        own = source.propose_rows(
+            [drafters[r].sources[last] for r in rows],
+            [ctxs[r] for r in rows],
+            [min(self.branch, max_tokens[r], source.max_draft_len) for r in rows],
+        )
+        for r, path in zip(rows, own):
+            drafts[r] = add_path(drafts[r], path, last).truncate(max_tokens[r])
         return drafts
 
 

@@ -108,3 +108,39 @@ def tree_below(
             tree.tokens = columns[tree.tokens.to(columns.device)]
     tree.tokens = tree.tokens.to(ctx.input_ids.device)
     return concatenate(chain, tree)
+
+
+def add_path(draft: Draft, path: Draft, stage: int) -> Draft:
+    """`draft` (a chain or a tree) with the chain `path` grown into it from the pending token: the path follows the
+    draft's nodes while its tokens equal theirs, and its nodes past that become new ones (of `stage`), so a path
+    the draft already holds adds nothing. Nodes come best first by reach, the product of the confidences from the
+    pending token to the node (a node without a confidence vouches with 1), a parent before its children, so every
+    prefix is the draft's best tree of that size by its confidences. Deterministic proposals only (probs are
+    dropped)."""
+    device = draft.tokens.device
+    tokens, parents = draft.tokens.tolist(), draft.parent_list()
+    confidence = [1.0] * len(draft) if draft.confidence is None else draft.confidence.tolist()
+    stages = draft.stage_list()
+    path_confidence = [1.0] * len(path) if path.confidence is None else path.confidence.tolist()
+    node = -1
+    for token, conf in zip(path.tokens.tolist(), path_confidence):
+        child = next((i for i, (t, p) in enumerate(zip(tokens, parents)) if p == node and t == token), None)
+        if child is None:  # a new node: the path leaves the draft here
+            tokens.append(token)
+            parents.append(node)
+            confidence.append(conf)
+            stages.append(stage)
+            child = len(tokens) - 1
+        node = child
+    reach: list[float] = []
+    for conf, parent in zip(confidence, parents):
+        reach.append(min(max(conf, 0.0), 1.0) * (1.0 if parent < 0 else reach[parent]))
+    depths = Draft(torch.tensor(tokens), parents=torch.tensor(parents)).depths()
+    # A child's reach is at most its parent's, and ties go to the shallower node: parents stay first.
+    order = sorted(range(len(tokens)), key=lambda i: (-reach[i], depths[i], i))
+    return Draft(
+        torch.tensor(tokens, dtype=torch.long, device=device),
+        confidence=torch.tensor(confidence, device=device),
+        parents=torch.tensor(parents, dtype=torch.long, device=device),
+        stage=torch.tensor(stages, dtype=torch.long, device=device),
+    ).keep(order)

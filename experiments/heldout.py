@@ -15,7 +15,8 @@ format, e.g. one `--arch dflash` trained) and every `--ar` baseline;
 with `--ngram-store`, that store alone and continuing prompt lookup (`drafters.training.ngram_build`; it must be built
 from the same folder, so that its held-out answers are these).
 `--fill` also scores each block checkpoint in the default's chain: prompt lookup (continued by the store with
-`--ngram-store`) proposes the block's first positions, the model fills the rest reading them as known.
+`--ngram-store`) proposes the block's first positions, the model fills the rest reading them as known; with
+`--branch`, also with the model's own first k tokens verified beside that chain (`drafters.ChainDrafter`'s branch).
 `--reveal` also prints each block checkpoint's teacher-forced accuracy by position with the true tokens of the
 first 0, 1, 2, 3 positions given, which shows whether the model reads known block tokens.
 """
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import json
 from pathlib import Path
 
@@ -93,13 +95,13 @@ def reveal_accuracy(model, embed, head, store, anchors, vmap, revealed: int) -> 
     return hits / np.maximum(valid, 1)
 
 
-def positive_ints(parser, option: str, text: str) -> list[int]:
+def int_list(parser, option: str, text: str, least: int = 1) -> list[int]:
     try:
         values = [int(x) for x in text.split(",")]
     except ValueError:
         parser.error(f"{option} {text!r}: give comma-separated integers, e.g. 1,2,3")
-    if min(values) < 1:
-        parser.error(f"{option} {text!r}: every value must be >= 1")
+    if min(values) < least:
+        parser.error(f"{option} {text!r}: every value must be >= {least}")
     return values
 
 
@@ -158,6 +160,12 @@ def main(argv=None) -> None:
         "its block, reading the lookup's tokens as known (the default drafter's chain)",
     )
     parser.add_argument(
+        "--branch",
+        default="0",
+        help="with --fill, also the chain with the block model's own first k tokens verified beside it, for each k "
+        "of this list, e.g. 0,1,2 (drafters.ChainDrafter's branch; every node of the tree verified)",
+    )
+    parser.add_argument(
         "--reveal", action="store_true", help="also the teacher-forced accuracy with the first 0-3 true tokens given"
     )
     parser.add_argument(
@@ -178,8 +186,9 @@ def main(argv=None) -> None:
         parser.error(
             "--ar needs a --block checkpoint: the baseline drafts over that drafter's vocabulary, as in training"
         )
-    passes, lookups = positive_ints(parser, "--passes", args.passes), positive_ints(parser, "--lookup", args.lookup)
-    max_ngrams = positive_ints(parser, "--max-ngrams", args.max_ngrams)
+    passes, lookups = int_list(parser, "--passes", args.passes), int_list(parser, "--lookup", args.lookup)
+    branches = int_list(parser, "--branch", args.branch, least=0)
+    max_ngrams = int_list(parser, "--max-ngrams", args.max_ngrams)
     try:
         check_prefer_store(args.prefer_store, args.ngram_store)
     except ValueError:
@@ -228,27 +237,29 @@ def main(argv=None) -> None:
             )
             print(row(f"{path}, {p} pass{'es' if p > 1 else ''}", tau, by_position), flush=True)
         if args.fill:  # the default's chain: the lookup's tokens first, the block model fills the rest
-            for m in max_ngrams:
-                for p in passes:
-                    tau, by_position, share = lookup_fill_tau(
-                        model,
-                        embed,
-                        head,
-                        store,
-                        anchors,
-                        vmap,
-                        model.draft_vocab,
-                        model.config.block_size,
-                        ngrams,
-                        m,
-                        args.prefer_store,
-                        p,
-                    )
-                    lookup = f"prompt lookup{match(m)}" + (" + n-gram store" if ngrams is not None else "")
-                    if args.prefer_store is not None and ngrams is not None:
-                        lookup += f" (preferred at share >= {args.prefer_store})"
-                    name = f"{lookup}, then {path} fills the block, {p} pass{'es' if p > 1 else ''}"
-                    print(row(name, tau, by_position) + f" block model drafted at {share:.0%} of anchors", flush=True)
+            for m, p, k in itertools.product(max_ngrams, passes, branches):
+                tau, by_position, share = lookup_fill_tau(
+                    model,
+                    embed,
+                    head,
+                    store,
+                    anchors,
+                    vmap,
+                    model.draft_vocab,
+                    model.config.block_size,
+                    ngrams,
+                    m,
+                    args.prefer_store,
+                    p,
+                    branch=k,
+                )
+                lookup = f"prompt lookup{match(m)}" + (" + n-gram store" if ngrams is not None else "")
+                if args.prefer_store is not None and ngrams is not None:
+                    lookup += f" (preferred at share >= {args.prefer_store})"
+                name = f"{lookup}, then {path} fills the block, {p} pass{'es' if p > 1 else ''}"
+                if k:
+                    name += f", its own first {k} token{'s' if k > 1 else ''} beside"
+                print(row(name, tau, by_position) + f" block model drafted at {share:.0%} of anchors", flush=True)
         if args.reveal:
             for revealed in range(min(4, model.config.block_size - 1)):
                 accuracy = reveal_accuracy(model, embed, head, store, anchors, vmap, revealed)

@@ -73,6 +73,9 @@ DRAFTERS: dict[str, DrafterEntry | None] = {
     # The default with up to 3 denoising passes, and with the block drafter trained here instead of the shipped one
     # (`python -m drafters.training.train` writes it to ~/.cache/hybrid/drafter/block-drafter).
     "default-3passes": long_lookup_entry(lambda model, block: trained_drafters.default(model, block, steps=3)),
+    # The default with the block model's own first 2 tokens verified beside the lookup's draft, and with none.
+    "default-branch2": long_lookup_entry(lambda model, block: trained_drafters.default(model, block, branch=2)),
+    "default-no-branch": long_lookup_entry(lambda model, block: trained_drafters.default(model, block, branch=0)),
     "default-trained": long_lookup_entry(
         lambda model, block: trained_drafters.default(model, block, trained_drafters.TRAINED_BLOCK_DIR)
     ),

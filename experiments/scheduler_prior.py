@@ -35,15 +35,25 @@ def learn_prior(model, drafter, prompts: list[torch.Tensor], max_new_tokens: int
 
 def main(argv=None):
     from experiments.datasets import load_prompts
-    from hybrid.default import DRAFTER_DIR
+    from hybrid.default import DRAFTER_BRANCH, DRAFTER_DIR, default_drafter
     from verifiers.prompts import encode_prompt
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--out", default=str(DRAFTER_DIR / PRIOR_FILE))
+    parser.add_argument(
+        "--branch",
+        type=int,
+        default=DRAFTER_BRANCH,
+        help="the default drafter with this branch (drafters.ChainDrafter; the file keeps one entry per drafter)",
+    )
     args = parser.parse_args(argv)
+    if args.branch < 0:
+        parser.error(f"--branch {args.branch}: give 0 (no branch) or more")
     model, tokenizer, drafter = hybrid.load_default()
+    if args.branch != DRAFTER_BRANCH:
+        drafter = default_drafter(model, tokenizer, branch=args.branch)
     prompts = [encode_prompt(tokenizer, prompt) for prompt in load_prompts("dev")[: args.num_prompts]]
     scheduler = learn_prior(model, drafter, prompts, args.max_new_tokens)
     entry = scheduler.prior_entry()

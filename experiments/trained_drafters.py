@@ -61,11 +61,15 @@ def block(
 
 @lru_cache(maxsize=None)
 def default(
-    model, drafted: int = DRAFTER_LOOKUP_TOKENS, block_dir: Path = DRAFTER_DIR, steps: int | None = None
+    model,
+    drafted: int = DRAFTER_LOOKUP_TOKENS,
+    block_dir: Path = DRAFTER_DIR,
+    steps: int | None = None,
+    branch: int | None = None,
 ) -> ChainDrafter:
     """`hybrid.load_default()`'s drafter (the block model, the longest context match up to 32 tokens and the store),
     proposing up to `drafted` tokens (16 by default); with `block_dir`, another block checkpoint in its place, with
-    `steps`, another most denoising passes."""
+    `steps`, another most denoising passes, with `branch`, another branch (`drafters.ChainDrafter`)."""
     if not (Path(block_dir) / "drafter_config.json").is_file():
         raise FileNotFoundError(
             f"no block drafter in {block_dir}: train one with `python -m drafters.training.train --out {block_dir}`"
@@ -77,6 +81,7 @@ def default(
         block_size=min(drafted, MAX_DRAFTED) + 1,
         block_dir=block_dir,
         **({} if steps is None else {"steps": steps}),
+        **({} if branch is None else {"branch": branch}),
     )
 
 

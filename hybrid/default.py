@@ -35,6 +35,9 @@ DRAFTER_BRANCHING = 4
 # per second (a pass fixes the confident leading run, DRAFTER_THRESHOLD, and re-predicts the rest reading it).
 DRAFTER_STEPS = 1
 DRAFTER_THRESHOLD = 0.9
+# The block model's own first tokens verified beside the lookup's draft, as a second path of a token tree
+# (`drafters.ChainDrafter`'s branch; 0: none).
+DRAFTER_BRANCH = 0
 
 
 def shipped_block_size() -> int:
@@ -67,11 +70,13 @@ def default_drafter(
     max_nodes: int | None = DRAFTER_TREE_NODES,
     block_dir=DRAFTER_DIR,
     steps: int = DRAFTER_STEPS,
+    branch: int = DRAFTER_BRANCH,
 ):
     """The shipped drafter for the default verifier `model`: the lookup settings above (a context match continued by
     the n-gram store, up to `lookup_tokens`), and where the lookup falls short of the block, the shipped block model
     (`block_size`: its trained size if None; another checkpoint for this verifier with `block_dir`) fills the block
-    in, with up to `steps` denoising passes. The experiments pass a loaded `ngram_store`."""
+    in, with up to `steps` denoising passes, and with `branch` > 0 its own first `branch` tokens are verified beside the
+    lookup's. The experiments pass a loaded `ngram_store`."""
     from drafters import BlockDiffusionDrafter, ChainDrafter, PromptLookupDrafter
 
     lookup = PromptLookupDrafter(
@@ -92,4 +97,4 @@ def default_drafter(
         steps=steps,
         threshold=DRAFTER_THRESHOLD,
     )
-    return ChainDrafter([lookup, block])
+    return ChainDrafter([lookup, block], branch=branch)

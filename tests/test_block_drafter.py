@@ -306,6 +306,42 @@ def test_the_block_model_fills_in_what_the_lookup_leaves():
         ChainDrafter([block, "lookup"])
 
 
+def test_the_block_model_branches_off_the_lookup_with_its_own_guess():
+    """With branch k, the block model's own first k tokens (drafted from the committed sequence alone) join the
+    lookup's draft as a second path from where they leave it, best first and within the nodes asked for; under the
+    rejection rule, which verifies chains, there is no branch."""
+    verifier = tiny_model("llama", VOCAB, 1, seed=4)
+    block = random_block_drafter(verifier, seed=0, block_size=6)
+    lookup = PromptLookupDrafter(max_ngram=3, max_draft_len=5)
+    ids = torch.tensor([5, 3, 4, 8, 9, 3, 4])  # the lookup drafts 8, 9, 3, 4 (confidence 2/3 each)
+    v = Verifier(verifier, hidden_layers=block.hidden_layers)
+    v.prefill(ids[None, :-1], None, capacity=64)
+    ctx = DraftContext(ids[None], False, LogitsProcessorList(), None, v)
+    own = block.propose(ctx, 2)
+    assert own.tokens[0] != 8, "the random block model must disagree with the lookup for this test to mean much"
+    chain = ChainDrafter([lookup, block], branch=2)
+    assert chain.max_nodes == 5 and chain.fingerprint.endswith("| branch 2")
+    draft = chain.propose(ctx, 8)
+    paths = {tuple(draft.tokens[node].item() for node in path_to(draft, leaf)) for leaf in range(len(draft))}
+    assert (8, 9, 3, 4) in paths and tuple(own.tokens.tolist()) in paths
+    assert sorted(draft.stage_list()) == [0, 0, 0, 0, 1, 1, 1]  # the lookup's 4, the fill's 1, the branch's 2
+    assert len(chain.propose(ctx, 3)) == 3  # cut to the nodes asked for
+    sampled = DraftContext(ids[None], True, LogitsProcessorList(), torch.Generator().manual_seed(0), v)
+    assert chain.propose(sampled, 8).is_chain
+    with pytest.raises(ValueError, match="branch must be an int >= 0"):
+        ChainDrafter([lookup, block], branch=-1)
+    with pytest.raises(ValueError, match="needs two sources or more"):
+        ChainDrafter([block], branch=2)
+
+
+def path_to(draft: Draft, node: int) -> list[int]:
+    parents, path = draft.parent_list(), []
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
+
+
 @pytest.mark.parametrize("chosen", [1, 2, 3])
 def test_the_scheduler_chooses_the_denoising_passes(chosen):
     verifier = tiny_model("llama", VOCAB, 1, seed=2)

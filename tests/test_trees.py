@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import hybrid
 from drafters import Draft, Drafter, DraftError
-from drafters.tree import best_first_tree, concatenate
+from drafters.tree import add_path, best_first_tree, concatenate
 from hybrid.testing import check_cache_matches_prefill, tiny_model
 from schedulers import FixedScheduler
 from schedulers.adaptive import expected_accepted
@@ -127,6 +127,28 @@ def test_concatenate_grows_the_tree_below_the_chain():
     joined = concatenate(chain, tree)
     assert joined.tokens.tolist() == [7, 8, 1, 2, 3]
     assert joined.parent_list() == [-1, 0, 1, 2, 1]
+
+
+def test_add_path_joins_where_the_path_leaves_the_draft_and_orders_nodes_by_reach():
+    chain = Draft(torch.tensor([5, 6, 7]), confidence=torch.tensor([0.9, 0.8, 0.7]))
+    # The path agrees on 5, then leaves: its 9 becomes 5's second child, reached with 0.9 * 0.5.
+    tree = add_path(chain, Draft(torch.tensor([5, 9]), confidence=torch.tensor([0.6, 0.5])), stage=1)
+    assert tree.tokens.tolist() == [5, 6, 7, 9] and tree.parent_list() == [-1, 0, 1, 0]
+    assert tree.stage_list() == [0, 0, 0, 1]
+    # A path more confident than the draft goes first; the draft's nodes keep their parents.
+    weak = Draft(torch.tensor([5, 6]), confidence=torch.tensor([0.5, 0.5]))
+    tree = add_path(weak, Draft(torch.tensor([8, 9]), confidence=torch.tensor([0.9, 0.9])), stage=1)
+    assert tree.tokens.tolist() == [8, 9, 5, 6] and tree.parent_list() == [-1, 0, -1, 2]
+    assert tree.stage_list() == [1, 1, 0, 0]
+    assert tree.confidence.tolist() == pytest.approx([0.9, 0.9, 0.5, 0.5])
+    # A path the draft already holds adds nothing.
+    same = add_path(chain, Draft(torch.tensor([5, 6])), stage=1)
+    assert same.tokens.tolist() == [5, 6, 7] and same.parents is None and same.stage_list() == [0, 0, 0]
+
+
+def test_keep_refuses_a_child_before_its_parent():
+    with pytest.raises(ValueError, match="put it after its child"):
+        Draft(torch.tensor([5, 6])).keep([1, 0])
 
 
 def test_expected_accepted_adds_the_reach_of_siblings():

@@ -160,10 +160,14 @@ def lookup_fill_tau(
     prefer_store: float | None = None,
     passes: int = 1,
     chunk_size: int = 4,
+    branch: int = 0,
 ) -> tuple[float, np.ndarray, float]:
     """The estimate for the default's chain: lookup (`lookup_tau`'s, min_ngram 1) gives the block's first positions,
-    the block model, reading them as known, fills the rest with `passes` passes. Returns tau, acceptance by position,
-    and the share of anchors where the block model drafted anything (the lookup left room)."""
+    the block model, reading them as known, fills the rest with `passes` passes. With `branch` k > 0, the block
+    model's own first k tokens (from the anchor alone) are verified beside that chain, as a second path of a tree
+    (`drafters.ChainDrafter`'s branch): an anchor accepts the longer of the two, every node verified. Returns tau,
+    acceptance by position, and the share of anchors where the block model drafted anything (the lookup left
+    room)."""
     model.eval()
     lengths, filled = [], 0
     for chunk, batch in anchor_block_batches(store, anchors, block_size, vmap, "cpu", chunk_size):
@@ -177,6 +181,9 @@ def lookup_fill_tau(
                 filled += len(draft) < block_size - 1
         predicted = greedy_block_drafts(model, embed, head, vocab, {**batch, "tokens": tokens, "known": known}, passes)
         got = accepted_lengths(predicted, batch["full_targets"], batch["valid"])
+        if branch:
+            own = greedy_block_drafts(model, embed, head, vocab, batch, passes)
+            got = torch.maximum(got, accepted_lengths(own, batch["full_targets"], batch["valid"]).clamp(max=branch))
         lengths += [got[r, : len(a)] for r, (_, a) in enumerate(chunk)]
     model.train()
     lengths = torch.cat(lengths).numpy()
