@@ -69,6 +69,17 @@ python -m experiments.heldout --block $W/ft-recipe-nk-keep4-g3 --passes 1,2,3,7 
 for run in ft-recipe-nk ft-recipe-nk-r025 ft-recipe-nk-keep4 ft-recipe-nk-keep4-g3; do
     cp $W/$run/training.json runs/heldout/$run-training.json
 done
+# The block model's own first tokens verified beside the default's chain (drafters.ChainDrafter's branch): offline,
+# every node verified, and in the bench against the default and its lookup and store alone.
+python -m experiments.heldout --block drafters/checkpoints/smollm2-135m-block --passes 1 --fill --branch 0,1,2,3,7 \
+    --ngram-store drafters/checkpoints/smollm2-135m-ngram --max-ngrams 32 --prefer-store 0.5 --lookup 7 \
+    --anchors-per-answer 16 | tee runs/heldout/branch.md
+python -m experiments.scheduler_prior --branch 2 --num-prompts 8 --max-new-tokens 256
+for set in dev heldout; do
+    mkdir -p runs/branch/bench-$set && python -m experiments.bench --dataset $set --num-prompts 8 --max-new-tokens 256 \
+        --repeats 1 --methods plain,hybrid-default,hybrid-default-branch2,hybrid-match-store \
+        --out runs/branch/bench-$set | tee runs/branch/bench-$set/table.txt
+done
 # DFlash's architecture against the block drafter's on one small data set (2 shards of answers + 30 k document
 # tokens): the same steps (300 each), and the block drafter at DFlash's compute (1800 steps); held-out tau of each.
 W=~/.cache/hybrid/drafter-extras
@@ -84,7 +95,7 @@ for run in dflash-drafter-a32 block-drafter-a32 block-drafter-a32-1800; do
     cp $W/$run/training.json runs/extras/$run-training.json
 done
 for run in verify-costs bench-heldout bench-mt-bench bench-humaneval bench-dev bench-sampling-mt-bench bench-sampling-heldout \
-    first-call online-store regimes heldout extras; do
+    first-call online-store regimes heldout extras branch/bench-dev branch/bench-heldout; do
     mkdir -p "docs/results/$run"
     cp runs/$run/*.png runs/$run/*.md runs/$run/*.csv runs/$run/*.json runs/$run/*.txt "docs/results/$run/" 2>/dev/null || true
 done
