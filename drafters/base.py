@@ -44,8 +44,9 @@ class Draft:
             choose once its parent was (e.g. its probability of the token). Schedulers calibrate it into
             acceptance probabilities; it never affects correctness.
     stage:  LongTensor [k] or None: which of the drafter's `Drafter.stages` proposed node i (None: the first).
-            A stage's nodes follow the earlier stages' and never parent them, so the nodes of stages < s are
-            the draft those stages alone would have made: schedulers learn from it what each stage adds.
+            A stage's nodes never parent an earlier stage's, so the nodes of stages < s are the draft those
+            stages alone would have made (a later stage's may come before them in best-first order):
+            schedulers learn from it what each stage adds.
     """
 
     tokens: torch.Tensor

@@ -110,7 +110,10 @@ class ChainDrafter(Drafter):
         rows = [
             r
             for r, ctx in enumerate(ctxs)
-            if not ctx.do_sample and (ctx.stages is None or last < ctx.stages) and len(drafts[r]) and max_tokens[r]
+            if not ctx.do_sample
+            and (ctx.stages is None or last < ctx.stages)
+            and max_tokens[r]
+            and any(stage < last for stage in drafts[r].stage_list())  # else the draft is the last source's own
         ]
         if not rows:
             return drafts

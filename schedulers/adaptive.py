@@ -140,8 +140,8 @@ class CostAwareScheduler(_Calibrated):
     Before drafting it picks how many of the drafter's stages run (`drafting_stages`; a `ChainDrafter`'s sources,
     cheapest first): the n maximising Σ_r v_r (1 + T_n) / (D_n + verify cost(rows, width(W_n))), with T_n the mean
     accepted tokens per row the first n stages' nodes bring (weighted by v_r) and W_n the mean widest verify they
-    need. Both are known for every n up to the stages that ran, since a stage's nodes follow the earlier stages' and
-    never change which of those are accepted (`Draft.stage`). T_n, W_n and D_n are kept per batch size (a wider
+    need. Both are known for every n up to the stages that ran, since a stage's nodes never parent the earlier
+    stages' nor change which of those are accepted (`Draft.stage`). T_n, W_n and D_n are kept per batch size (a wider
     batch verifies less of each row and pays more per drafter forward); a batch size not seen yet starts from the
     nearest one seen, D_n scaled by the rows. D_n is 0 for no stage; one never run counts as free, so it gets tried.
 

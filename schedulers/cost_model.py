@@ -7,7 +7,7 @@ round. So every m from 1 to 17 and tree widths up to 65 are timed with each kern
 each m (best of 3 forwards on a 64-token context), and each width gets the faster kernel (PyTorch's own unless the
 other beats it by `KERNEL_MARGIN`), so a step never costs more than PyTorch's forward of the same width. That is
 64 forwards per kernel, about 17 s for SmolLM2-135M on the 2-core CPU (from its per-width costs), once per
-(model, dtype, device, threads), inside the first call that needs the table (`python -m experiments.verify_costs`
+(model, dtype, device, CPU or GPU model, threads), inside the first call that needs the table (`python -m experiments.verify_costs`
 measures it ahead of time instead); the table and the choice are cached on disk together and later runs read
 them in well under a millisecond. Sizes between are interpolated and beyond the table extrapolated linearly.
 During a run, observed verify times correct it two ways (`VerifyCostModel.observe_step`): one scale for the whole
@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import platform
 import time
 from pathlib import Path
 
@@ -40,8 +41,20 @@ CONTEXT = 64
 KERNEL_MARGIN = 0.05
 
 
+def cpu_name() -> str:
+    """This CPU's model and vector extensions: machines of one kind differ in which kernel wins (an AMX Xeon's
+    PyTorch matmuls beat the weight-left form that wins on an AVX2 one), and a cache folder can move between them."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:  # not Linux
+        return f"{platform.machine()} {platform.processor()}"
+    model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "")
+    flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
+    return " ".join([model, *sorted(f for f in flags if f.startswith(("avx", "amx", "fma")))])
+
+
 def device_key(model) -> str:
-    """Identifies a (model, dtype, device, threads) combination for the on-disk cache."""
+    """Identifies a (model, dtype, device, CPU or GPU model, threads) combination for the on-disk cache."""
     config = model.config.get_text_config()
     parts = [
         type(model).__name__,
@@ -51,7 +64,7 @@ def device_key(model) -> str:
         str(model.dtype),
         str(model.device),
         str(torch.get_num_threads()),
-        torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else "",
+        torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else cpu_name(),
         ",".join(map(str, PROBE_SIZES)),  # a table of other sizes is measured again
         ",".join(KERNELS),  # and one that chose among other kernels (verifiers.kernels)
     ]

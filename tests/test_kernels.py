@@ -208,6 +208,18 @@ def test_the_choice_is_cached_with_the_cost_table_and_read_without_measuring(tmp
     assert VerifyCostModel.cached(model) is None
 
 
+def test_a_cached_table_is_not_read_on_another_kind_of_cpu(tmp_path, monkeypatch):
+    """A cache folder carried to a CPU of another model or other vector extensions measures again: the kernel that
+    wins on one may double a verify on the other."""
+    monkeypatch.setenv("HYBRID_COSTS", str(tmp_path / "costs"))
+    model = tiny_model("llama", 64, 1, seed=0)
+    monkeypatch.setattr(cost_model, "cpu_name", lambda: "Xeon avx2 fma")
+    VerifyCostModel({1: 1.0, 2: 1.0}, {2: "weight-left"}).save(model)
+    assert VerifyCostModel.cached(model) is not None
+    monkeypatch.setattr(cost_model, "cpu_name", lambda: "Xeon amx_tile avx2 avx512f fma")
+    assert VerifyCostModel.cached(model) is None
+
+
 @pytest.mark.parametrize("batch", [1, 2, 3])
 def test_a_plain_step_runs_the_kernel_chosen_for_its_batch_width(batch, tmp_path, monkeypatch):
     monkeypatch.setenv("HYBRID_COSTS", str(tmp_path / "costs"))
