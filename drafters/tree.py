@@ -133,9 +133,10 @@ def add_path(draft: Draft, path: Draft, stage: int) -> Draft:
             child = len(tokens) - 1
         node = child
     reach: list[float] = []
+    depths: list[int] = []
     for conf, parent in zip(confidence, parents):
         reach.append(min(max(conf, 0.0), 1.0) * (1.0 if parent < 0 else reach[parent]))
-    depths = Draft(torch.tensor(tokens), parents=torch.tensor(parents)).depths()
+        depths.append(1 if parent < 0 else depths[parent] + 1)
     # A child's reach is at most its parent's, and ties go to the shallower node: parents stay first.
     order = sorted(range(len(tokens)), key=lambda i: (-reach[i], depths[i], i))
     return Draft(

@@ -3,8 +3,8 @@
     python -m experiments.scheduler_prior --num-prompts 8 --max-new-tokens 256
 
 Decodes the dev prompts (experiments/prompts/dev.jsonl: ours, never an evaluation set) one at a time, greedily, with
-`hybrid.load_default()`'s verifier and drafter and a `CostAwareScheduler` that starts uninformed and learns across
-them, as a process that has served those prompts would. Then it writes what holds on any machine (the acceptance
+`hybrid.load_default()`'s verifier and drafter (`--branch` sets the drafter's branch) and a `CostAwareScheduler`
+that starts uninformed and learns across them, as a process that has served those prompts would. Then it writes what holds on any machine (the acceptance
 counts, what each drafting stage adds; `CostAwareScheduler.prior_entry`) to `scheduler_prior.json` in the shipped
 drafter's checkpoint folder, where every calibrated scheduler for that drafter and verifier starts from it
 (`schedulers.prior`). Rerun it after retraining the drafter or changing its settings: a prior measured for another
@@ -36,6 +36,7 @@ def learn_prior(model, drafter, prompts: list[torch.Tensor], max_new_tokens: int
 def main(argv=None):
     from experiments.datasets import load_prompts
     from hybrid.default import DRAFTER_BRANCH, DRAFTER_DIR, default_drafter
+    from verifiers.embedded import load_verifier
     from verifiers.prompts import encode_prompt
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -51,9 +52,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.branch < 0:
         parser.error(f"--branch {args.branch}: give 0 (no branch) or more")
-    model, tokenizer, drafter = hybrid.load_default()
-    if args.branch != DRAFTER_BRANCH:
-        drafter = default_drafter(model, tokenizer, branch=args.branch)
+    model, tokenizer = load_verifier()
+    drafter = default_drafter(model, tokenizer, branch=args.branch)
     prompts = [encode_prompt(tokenizer, prompt) for prompt in load_prompts("dev")[: args.num_prompts]]
     scheduler = learn_prior(model, drafter, prompts, args.max_new_tokens)
     entry = scheduler.prior_entry()

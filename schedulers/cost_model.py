@@ -19,6 +19,7 @@ A batch size never observed takes the factor of the nearest one observed.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -41,6 +42,7 @@ CONTEXT = 64
 KERNEL_MARGIN = 0.05
 
 
+@functools.cache  # read once per process: every generate call keys its cached kernel choice with it
 def cpu_name() -> str:
     """This CPU's model and vector extensions: machines of one kind differ in which kernel wins (an AMX Xeon's
     PyTorch matmuls beat the weight-left form that wins on an AVX2 one), and a cache folder can move between them."""
