@@ -164,6 +164,8 @@ class CostAwareScheduler(_Calibrated):
     ALL_STAGES = False  # run every stage at every step (what `experiments.scheduler_prior` measures)
     PRIOR_STEPS = 8  # what the shipped prior's stage statistics count as: the run's own steps soon outweigh them
     MOVING = 0.05  # a step's weight in a running mean after its first 1 / MOVING steps (machine load drifts)
+    CALL_PRIOR_TOKENS = 8.0  # predicted tokens a call's own correction counts as before its steps show theirs
+    CALL_MAX_FACTOR = 2.0  # the most a call's correction scales the calibration's prediction, either way
 
     def __init__(self, calibration: str | None = None, costs: dict[int, float] | None = None, prior: bool = True):
         super().__init__(calibration, prior)
@@ -180,6 +182,9 @@ class CostAwareScheduler(_Calibrated):
         self._call_rows: int | None = None  # this call's rows at its first step (`set_rows`)
         self._call_drafts = True  # whether the batch gate lets this call draft
         self._call_drafted = False  # whether any of its steps ran a drafting stage
+        self._call_predicted = 0.0  # this call's accepted tokens as the calibration predicted them, drafted steps
+        self._call_accepted = 0.0  # and as they were
+        self._step_predicted: float | None = None  # the prediction of the step in flight (`select_batch`)
 
     def start_pair(self, prior: dict | None) -> None:
         self._step_stats = {s: [0, 0.0] for s in range(1, self.max_steps + 1)}  # passes -> [steps, tokens per s]
@@ -222,6 +227,14 @@ class CostAwareScheduler(_Calibrated):
         modelled = plain_seconds(emitted, lambda r: self.verify_costs.step_cost(r, self.verify_width(1, r)))
         self._gate.finish(rows, self._call_drafted, modelled, seconds)
 
+    def call_factor(self) -> float:
+        """What this call's drafted steps accepted over what the calibration predicted for them, shrunk toward 1 by
+        CALL_PRIOR_TOKENS. The calibration is pooled over every call, so on text that copies less than the average
+        it predicts too much (novel chat) and where it copies more too little (code); a call's own steps tell which
+        it is, and its later steps' estimates are scaled by what the earlier ones showed."""
+        factor = (self._call_accepted + self.CALL_PRIOR_TOKENS) / (self._call_predicted + self.CALL_PRIOR_TOKENS)
+        return min(max(factor, 1 / self.CALL_MAX_FACTOR), self.CALL_MAX_FACTOR)
+
     def _row_weights(self, rows: int) -> list[float]:
         return self._weights if len(self._weights) == rows else [1.0] * rows
 
@@ -253,8 +266,12 @@ class CostAwareScheduler(_Calibrated):
         n = 0..all."""
         gain = self._gain(rows)
         worth = sum(self._row_weights(rows))
+        factor = self.call_factor()
         return [
-            (worth * (1 + tokens), self._draft_seconds(rows, n) + self._verify_seconds(rows, max(1, round(width))))
+            (
+                worth * (1 + factor * tokens),
+                self._draft_seconds(rows, n) + self._verify_seconds(rows, max(1, round(width))),
+            )
             for n, (_, tokens, width) in enumerate(gain)
         ]
 
@@ -272,7 +289,9 @@ class CostAwareScheduler(_Calibrated):
             widest = max(range(1, len(options)), key=lambda w: _rate(options[w]))
             if self._explore(len(drafts), options[0], options[widest]):
                 best = widest
-        return [min(best, len(draft)) for draft in drafts]
+        ks = [min(best, len(draft)) for draft in drafts]
+        self._step_predicted = sum(row[k] for row, k in zip(self._predicted, ks))
+        return ks
 
     def _explore(self, rows: int, best: tuple[float, float], other: tuple[float, float]) -> bool:
         """Take `other` instead of `best` (each (tokens, seconds) of a step of `rows` rows) if the credit at this
@@ -294,7 +313,11 @@ class CostAwareScheduler(_Calibrated):
     def expected_batch_steps(self, drafts: list[Draft]) -> list[tuple[float, float]]:
         """(expected emitted tokens, expected seconds) of the whole step for widths w = 0..max draft: the rows'
         E(min(w, k_r)) + 1 over this step's draft cost plus one forward of rows x (w + 1) tokens."""
-        expected = [draft_expectation(self.acceptance, draft) for draft in drafts]
+        factor = self.call_factor()
+        predicted = [draft_expectation(self.acceptance, draft) for draft in drafts]
+        self._predicted = predicted  # unscaled, for what `select_batch` takes (`update_batch` folds it in)
+        # Scaled by the call's correction, never past what k drafted nodes can give (k of them accepted).
+        expected = [[min(factor * e, k) for k, e in enumerate(row)] for row in predicted]
         rows = len(drafts)
         weights = self._row_weights(rows)
         draft_seconds = self._draft_seconds(rows, self._stages)
@@ -340,6 +363,10 @@ class CostAwareScheduler(_Calibrated):
     ) -> None:
         for draft, kept in zip(drafts, accepted):
             self.acceptance.update(draft, kept)
+        if self._step_predicted is not None:  # a step this scheduler selected: its prediction meets its outcome
+            self._call_predicted += self._step_predicted
+            self._call_accepted += sum(map(len, accepted))
+        self._step_predicted = None
         rows = len(drafts)
         self.verify_costs.observe_step(rows, self.verify_width(1 + max(len(d) for d in drafts), rows), verify_time)
         self._observe_stages(drafts, accepted, sum(draft_times))

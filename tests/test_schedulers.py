@@ -368,6 +368,33 @@ def test_chain_drafter_runs_the_stages_asked_for_and_names_each_nodes_stage():
         check_draft(Draft(torch.zeros(3, dtype=torch.long), stage=torch.zeros(2, dtype=torch.long)), 3, 8, "x")
 
 
+def test_cost_aware_scales_a_calls_estimates_by_what_its_own_steps_accepted_against_them():
+    """The calibration says 0.9 at every position (pooled over calls); this call's text accepts nothing. After one
+    step that drafted 6 nodes (4.22 tokens predicted, 0 accepted) the call's correction is 8 / (8 + 4.22), its
+    later steps expect that share of the calibration's tokens and verify fewer nodes; the next call starts at 1."""
+    s = CostAwareScheduler(costs={1: 1.0, 17: 5.0})
+    s.reset(PromptLookupDrafter(max_draft_len=16))
+    s.acceptance.tried[:] = 1e6
+    s.acceptance.accepted[:] = 0.9e6
+    d = draft(16)
+    assert s.call_factor() == 1.0 and s.select(d) == 6
+    s.update(d.truncate(6), [], 0.0, 1.0)
+    predicted = sum(0.9**i for i in range(1, 7))
+    factor = s.CALL_PRIOR_TOKENS / (s.CALL_PRIOR_TOKENS + predicted)
+    assert s.call_factor() == pytest.approx(factor, rel=1e-4)
+    cost = s.verify_costs.step_cost
+    scaled = [(1 + min(factor * sum(0.9**i for i in range(1, k + 1)), k)) / cost(1, k + 1) for k in range(17)]
+    assert s.expected_rates(d) == pytest.approx(scaled, rel=1e-4)
+    k = s.select(d)
+    assert k == max(range(17), key=scaled.__getitem__) < 6
+    s.update(d.truncate(k), [0], 0.0, 1.0)  # the step this scheduler selected: 1 accepted of its prediction
+    s.update(d.truncate(k), [0], 0.0, 1.0)  # an update no selection preceded folds nothing in
+    total = predicted + sum(0.9**i for i in range(1, k + 1))
+    assert s.call_factor() == pytest.approx((1 + s.CALL_PRIOR_TOKENS) / (s.CALL_PRIOR_TOKENS + total), rel=1e-4)
+    s.reset(PromptLookupDrafter(max_draft_len=16))
+    assert s.call_factor() == 1.0
+
+
 def test_cost_aware_learns_what_each_stage_adds_from_the_nodes_it_proposed():
     """One step: 2 lookup nodes then 3 of the second stage, the walk accepting 0, 1 (the lookup's) and 2 (the second
     stage's). The lookup alone would have accepted 2 in a verify 3 wide; both stages 3 in a verify 6 wide."""
