@@ -27,6 +27,11 @@ mkdir -p runs/online-store && python -m experiments.online_store --model default
 # 30-40 minutes a temperature on 2 cores).
 python -m experiments.regimes --datasets heldout,dev,mt-bench,humaneval --batch-sizes 1,2,4,8 --temperatures 0,0.7,1.0 \
     --num-prompts 8 --max-new-tokens 64 --repeats 1 --min-pairs 4 --out runs/regimes
+# The same greedy cells of dev and HumanEval with a fixed number of drafted nodes a row: what the default's choices
+# could reach at batch 2 and 8 (machine-33ms/regimes-fixed).
+python -m experiments.regimes --datasets dev,humaneval --batch-sizes 2,8 --temperatures 0 \
+    --methods plain,hybrid-none,hybrid-default,hybrid-default@fixed-1,hybrid-default@fixed-2,hybrid-default@fixed-4,hybrid-match-store@fixed-2 \
+    --num-prompts 8 --max-new-tokens 64 --repeats 2 --min-pairs 2 --out runs/regimes-fixed
 # The block model reading known tokens: four fine-tunes of the shipped checkpoint at one CPU budget (the same 11
 # shards of answers to prompts the GPU recipe never answered, 30 k document tokens, steps and seed), masked positions
 # reading the anchor or the nearest known token, half the blocks given a prefix; scored on the shipped held-out answers.
