@@ -283,14 +283,15 @@ class CostAwareScheduler(_Calibrated):
         return self.select_batch([draft])[0]
 
     def select_batch(self, drafts: list[Draft]) -> list[int]:
-        options = self.expected_batch_steps(drafts)
+        predicted = [draft_expectation(self.acceptance, draft) for draft in drafts]
+        options = self.expected_batch_steps(drafts, predicted)
         best = max(range(len(options)), key=lambda w: _rate(options[w]))
         if best == 0 and len(options) > 1:  # what verifying would bring is only learned by verifying
             widest = max(range(1, len(options)), key=lambda w: _rate(options[w]))
             if self._explore(len(drafts), options[0], options[widest]):
                 best = widest
         ks = [min(best, len(draft)) for draft in drafts]
-        self._step_predicted = sum(row[k] for row, k in zip(self._predicted, ks))
+        self._step_predicted = sum(row[k] for row, k in zip(predicted, ks))  # `update_batch` meets it with the outcome
         return ks
 
     def _explore(self, rows: int, best: tuple[float, float], other: tuple[float, float]) -> bool:
@@ -310,12 +311,15 @@ class CostAwareScheduler(_Calibrated):
         """Expected emitted tokens per second of the whole step for widths w = 0..max draft."""
         return [_rate(option) for option in self.expected_batch_steps(drafts)]
 
-    def expected_batch_steps(self, drafts: list[Draft]) -> list[tuple[float, float]]:
+    def expected_batch_steps(
+        self, drafts: list[Draft], predicted: list[list[float]] | None = None
+    ) -> list[tuple[float, float]]:
         """(expected emitted tokens, expected seconds) of the whole step for widths w = 0..max draft: the rows'
-        E(min(w, k_r)) + 1 over this step's draft cost plus one forward of rows x (w + 1) tokens."""
+        E(min(w, k_r)) + 1 over this step's draft cost plus one forward of rows x (w + 1) tokens. `predicted`: each
+        row's E(0..k) as the calibration gives it (`draft_expectation`), when the caller has it already."""
+        if predicted is None:
+            predicted = [draft_expectation(self.acceptance, draft) for draft in drafts]
         factor = self.call_factor()
-        predicted = [draft_expectation(self.acceptance, draft) for draft in drafts]
-        self._predicted = predicted  # unscaled, for what `select_batch` takes (`update_batch` folds it in)
         # Scaled by the call's correction, never past what k drafted nodes can give (k of them accepted).
         expected = [[min(factor * e, k) for k, e in enumerate(row)] for row in predicted]
         rows = len(drafts)
