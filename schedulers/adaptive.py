@@ -15,7 +15,6 @@ from pathlib import Path
 
 from drafters.base import Draft
 from schedulers.base import Scheduler
-from schedulers.batch_gate import BatchGate, plain_seconds
 from schedulers.calibration import AcceptanceModel
 from schedulers.cost_model import VerifyCostModel
 from schedulers.prior import PRIOR_OBSERVATIONS, shipped_prior
@@ -132,10 +131,11 @@ class CostAwareScheduler(_Calibrated):
     times, per batch size; draft cost is the mean measured seconds of a step of this many rows drafting with the
     stages that ran.
 
-    A call of several rows drafts only while whole calls of its batch size have measured faster with drafts than
-    without (`schedulers.batch_gate`): there a step's estimate misses what the call gains (it ends with its slowest
-    row), and the margin is thin. Its first call at a batch size runs plain; a call that may not draft is the
-    engine's plain step throughout.
+    Two corrections scale every expected accepted token. `call_factor`: the calibration is pooled over every call,
+    and a call's own drafted steps tell how far its text copies more or less than that. `batch_worth`: v_r counts
+    what rows accept as if each token shortened the call by its weight, but rows level at the start of a call
+    advance unevenly and the call is shortened only where every row still behind advances, so calls of several rows
+    save fewer steps than their weighted tokens say; how many fewer is counted (not timed) from the calls before.
 
     Before drafting it picks how many of the drafter's stages run (`drafting_stages`; a `ChainDrafter`'s sources,
     cheapest first): the n maximising Σ_r v_r (1 + T_n) / (D_n + verify cost(rows, width(W_n))), with T_n the mean
@@ -146,11 +146,12 @@ class CostAwareScheduler(_Calibrated):
     nearest one seen, D_n scaled by the rows. D_n is 0 for no stage; one never run counts as free, so it gets tried.
 
     Estimates are only corrected where they are tried, so a choice the estimates say loses (every stage when fewer
-    win, a positive width when declining wins) is still taken now and then, paid from a credit of EXPLORE_SHARE of
-    the seconds of every step so far at the same batch size: exploring costs what the estimates say it loses (the
-    seconds more than the best choice would take for the same tokens), so where it is dear (a wide batch) it is
-    rare, and each batch size runs at most EXPLORE_SHARE slower than its estimates' best (what a long run at batch 1
-    saved is not spent on a batch of 8, where one probe costs several cheap steps).
+    win, a positive width when declining wins) is still taken now and then, paid from a credit of EXPLORE_SHARE / r
+    of the seconds of every step so far at the same batch size of r rows: exploring costs what the estimates say it
+    loses (the seconds more than the best choice would take for the same tokens), so where it is dear (a wide batch)
+    it is rare, and a batch size runs at most EXPLORE_SHARE / r slower than its estimates' best. What a long run at
+    batch 1 saved is not spent on a batch of 8, where one probe costs several cheap steps; and a batch, whose drafts
+    gain a few percent where they gain at all, keeps almost all of that.
 
     For a multi-step drafter it also picks the number of denoising passes: each is tried for `STEP_TRIALS` steps,
     then the one with the best measured tokens per second is used, and the runner-up is retried every
@@ -166,6 +167,8 @@ class CostAwareScheduler(_Calibrated):
     MOVING = 0.05  # a step's weight in a running mean after its first 1 / MOVING steps (machine load drifts)
     CALL_PRIOR_TOKENS = 8.0  # predicted tokens a call's own correction counts as before its steps show theirs
     CALL_MAX_FACTOR = 2.0  # the most a call's correction scales the calibration's prediction, either way
+    SAVED_DECAY = 0.8  # an earlier call's weight in a batch size's saved steps, per call since
+    SAVED_PRIOR = 8.0  # estimated steps saved that the batch worth's prior of 1 counts as
 
     def __init__(self, calibration: str | None = None, costs: dict[int, float] | None = None, prior: bool = True):
         super().__init__(calibration, prior)
@@ -180,11 +183,11 @@ class CostAwareScheduler(_Calibrated):
             self.verify_costs = VerifyCostModel.for_model(model)
         self._stages = self.num_stages  # until `drafting_stages` says otherwise
         self._call_rows: int | None = None  # this call's rows at its first step (`set_rows`)
-        self._call_drafts = True  # whether the batch gate lets this call draft
-        self._call_drafted = False  # whether any of its steps ran a drafting stage
         self._call_predicted = 0.0  # this call's accepted tokens as the calibration predicted them, drafted steps
         self._call_accepted = 0.0  # and as they were
         self._step_predicted: float | None = None  # the prediction of the step in flight (`select_batch`)
+        self._call_steps = 0  # steps this call has run
+        self._call_worth = 0.0  # the steps its accepted tokens were estimated to save (weighted as `set_rows` says)
 
     def start_pair(self, prior: dict | None) -> None:
         self._step_stats = {s: [0, 0.0] for s in range(1, self.max_steps + 1)}  # passes -> [steps, tokens per s]
@@ -196,7 +199,7 @@ class CostAwareScheduler(_Calibrated):
         self._draft_cost: dict[int, list[list[float]]] = {}  # rows -> n stages -> [steps, seconds]
         self._credit: dict[int, float] = {}  # rows -> seconds exploration may still lose at that batch size
         self._weights: list[float] = []  # what a token of each row of this step is worth (`set_rows`)
-        self._gate = BatchGate()  # whether calls of several rows draft, from the calls before (`finish`)
+        self._saved: dict[int, list[float]] = {}  # rows -> [steps calls saved, steps estimated], decayed sums
 
     def _no_gain(self) -> list[list[float]]:
         return [[1, 0.0, 1.0]] + [[0, 0.0, 1.0] for _ in range(self.num_stages)]  # no stage: the pending token alone
@@ -218,14 +221,15 @@ class CostAwareScheduler(_Calibrated):
         row has left, so the rows that will finish last count fully and a row far ahead barely counts."""
         most = max(steps_left, default=0.0)
         self._weights = [left / most if most > 0 else 1.0 for left in steps_left]
-        if self._call_rows is None:  # the call's first step: its batch size decides whether it drafts
+        if self._call_rows is None:  # the call's first step: its batch size is the call's
             self._call_rows = len(steps_left)
-            self._call_drafts = self._gate.drafts(self._call_rows)
 
     def finish(self, emitted: list[int], seconds: float) -> None:
         rows = self._call_rows or len(emitted)
-        modelled = plain_seconds(emitted, lambda r: self.verify_costs.step_cost(r, self.verify_width(1, r)))
-        self._gate.finish(rows, self._call_drafted, modelled, seconds)
+        if rows > 1 and self._call_worth > 0:
+            saved = self._saved.setdefault(rows, [0.0, 0.0])
+            saved[0] = self.SAVED_DECAY * saved[0] + max(emitted, default=0) - self._call_steps
+            saved[1] = self.SAVED_DECAY * saved[1] + self._call_worth
 
     def call_factor(self) -> float:
         """What this call's drafted steps accepted over what the calibration predicted for them, shrunk toward 1 by
@@ -234,6 +238,18 @@ class CostAwareScheduler(_Calibrated):
         it is, and its later steps' estimates are scaled by what the earlier ones showed."""
         factor = (self._call_accepted + self.CALL_PRIOR_TOKENS) / (self._call_predicted + self.CALL_PRIOR_TOKENS)
         return min(max(factor, 1 / self.CALL_MAX_FACTOR), self.CALL_MAX_FACTOR)
+
+    def batch_worth(self) -> float:
+        """What a drafted token accepted in a batch of this call's rows is worth, as a share of what the row
+        weights (`set_rows`) say: the steps calls of that size saved over the steps their weighted accepted tokens
+        promised, shrunk toward 1 by SAVED_PRIOR. A batch's call ends with its slowest row, and rows level at the
+        start of a call advance unevenly: the call is shortened only where every row still behind advances, so a
+        batch saves fewer steps than its rows' tokens count. At batch 1 it is 1."""
+        rows = self._call_rows or 1
+        if rows <= 1:
+            return 1.0
+        realized, estimated = self._saved.get(rows, (0.0, 0.0))
+        return min(max((realized + self.SAVED_PRIOR) / (estimated + self.SAVED_PRIOR), 0.0), 1.0)
 
     def _row_weights(self, rows: int) -> list[float]:
         return self._weights if len(self._weights) == rows else [1.0] * rows
@@ -250,15 +266,11 @@ class CostAwareScheduler(_Calibrated):
         return self._chosen_steps
 
     def drafting_stages(self, rows: int) -> int:
-        if not self._call_drafts:
-            self._stages = 0
-            return 0
         options = self.expected_stage_steps(rows)
         best = max(reversed(range(len(options))), key=lambda n: _rate(options[n]))  # a tie: more stages, measured
         if self.ALL_STAGES or (best < self.num_stages and self._explore(rows, options[best], options[-1])):
             best = self.num_stages
         self._stages = best
-        self._call_drafted |= best > 0
         return best
 
     def expected_stage_steps(self, rows: int) -> list[tuple[float, float]]:
@@ -266,7 +278,7 @@ class CostAwareScheduler(_Calibrated):
         n = 0..all."""
         gain = self._gain(rows)
         worth = sum(self._row_weights(rows))
-        factor = self.call_factor()
+        factor = self.call_factor() * self.batch_worth()
         return [
             (
                 worth * (1 + factor * tokens),
@@ -319,7 +331,7 @@ class CostAwareScheduler(_Calibrated):
         row's E(0..k) as the calibration gives it (`draft_expectation`), when the caller has it already."""
         if predicted is None:
             predicted = [draft_expectation(self.acceptance, draft) for draft in drafts]
-        factor = self.call_factor()
+        factor = self.call_factor() * self.batch_worth()
         # Scaled by the call's correction, never past what k drafted nodes can give (k of them accepted).
         expected = [[min(factor * e, k) for k, e in enumerate(row)] for row in predicted]
         rows = len(drafts)
@@ -372,10 +384,13 @@ class CostAwareScheduler(_Calibrated):
             self._call_accepted += sum(map(len, accepted))
         self._step_predicted = None
         rows = len(drafts)
+        weights = self._row_weights(rows)
+        self._call_worth += sum(w * len(kept) for w, kept in zip(weights, accepted)) / sum(weights)
+        self._call_steps += 1
         self.verify_costs.observe_step(rows, self.verify_width(1 + max(len(d) for d in drafts), rows), verify_time)
         self._observe_stages(drafts, accepted, sum(draft_times))
-        if self._call_drafts:  # a call the batch gate keeps plain explores nothing, so earns no credit
-            self._credit[rows] = self._credit.get(rows, 0.0) + self.EXPLORE_SHARE * (sum(draft_times) + verify_time)
+        earned = self.EXPLORE_SHARE / rows * (sum(draft_times) + verify_time)
+        self._credit[rows] = self._credit.get(rows, 0.0) + earned
         if self._stages == self.num_stages:  # passes are compared on steps that ran every stage
             self._observe_steps(sum(map(len, accepted)) + rows, sum(draft_times) + verify_time)
 

@@ -23,7 +23,6 @@ from schedulers import (
     VerifyCostModel,
 )
 from schedulers.adaptive import expected_accepted, pair_fingerprint
-from schedulers.batch_gate import BatchGate, plain_seconds
 from schedulers.cost_model import measure_verify_costs
 from schedulers.prior import PRIOR_FILE, PRIOR_OBSERVATIONS, write_prior
 from verifiers.verifier import static_width
@@ -154,6 +153,9 @@ def test_the_credit_saved_at_one_batch_size_pays_for_no_probe_at_another():
         s.update(draft(8).truncate(0), [], 0.0, 1.0)
     assert s.select_batch([draft(8)] * 8) == [0] * 8
     assert s.select(draft(8)) == 1  # batch 1's own credit does pay for its probe
+    for _ in range(100):  # a batch of r rows earns EXPLORE_SHARE / r of its seconds
+        s.update_batch([draft(8).truncate(0)] * 4, [[]] * 4, [0.0] * 4, 2.0)
+    assert s._credit[4] == pytest.approx(100 * 2.0 * s.EXPLORE_SHARE / 4)
 
 
 def test_confidence_scheduler_cuts_where_whole_prefix_probability_drops_below_threshold():
@@ -398,8 +400,11 @@ def test_cost_aware_scales_a_calls_estimates_by_what_its_own_steps_accepted_agai
 def test_cost_aware_learns_what_each_stage_adds_from_the_nodes_it_proposed():
     """One step: 2 lookup nodes then 3 of the second stage, the walk accepting 0, 1 (the lookup's) and 2 (the second
     stage's). The lookup alone would have accepted 2 in a verify 3 wide; both stages 3 in a verify 6 wide."""
-    s = CostAwareScheduler(costs={1: 1.0, 17: 5.0})
-    s.reset(ChainDrafter([PromptLookupDrafter(max_draft_len=4), _Counting()]))
+    s, chain = (
+        CostAwareScheduler(costs={1: 1.0, 17: 5.0}),
+        ChainDrafter([PromptLookupDrafter(max_draft_len=4), _Counting()]),
+    )
+    s.reset(chain)
     assert s.drafting_stages(1) == 2  # nothing known: a tie, which goes to running every stage
     s.update_batch([staged(2, 3)], [[0, 1, 2]], [0.5], 1.0)
     entry = s.prior_entry()
@@ -408,6 +413,7 @@ def test_cost_aware_learns_what_each_stage_adds_from_the_nodes_it_proposed():
     # needs 1 + 2 and 1 + 5 positions. Two stages cost 0.5 s of drafting; the lookup alone was never run: free.
     # A batch of 2 is costed from what batches of 2 did, not from the step of 1 before it.
     s.update_batch([staged(2, 3), staged(0, 4)], [[0, 1, 2], [0, 1]], [0.25, 0.25], 1.0)
+    s.reset(chain)  # a new call: what the batch sizes learned, none of its own steps yet
     rates = s.expected_stage_rates(2)
     cost = s.verify_costs.step_cost
     assert rates == pytest.approx([2 / cost(2, 1), 2 * (1 + 1.0) / cost(2, 3), 2 * (1 + 2.5) / (0.5 + cost(2, 6))])
@@ -530,100 +536,75 @@ def test_a_stage_chosen_on_another_batch_sizes_estimate_is_corrected_by_its_own_
     assert chosen[0] == 1 and chosen[-10:] == [0] * 10
 
 
-# --------------------------------------------------------------------------- batches: whole calls decide
+# --------------------------------------------------------------------------- batches: what a call's steps save
 
 
-def test_plain_seconds_counts_one_step_per_token_over_the_rows_still_decoding():
-    """Rows emitting 3, 1 and 0 tokens after their first: step 1 decodes 2 rows, steps 2 and 3 one."""
-    assert plain_seconds([3, 1, 0], lambda rows: float(rows)) == 2 + 1 + 1
-    assert plain_seconds([0, 0], lambda rows: 1.0) == 0.0
+def test_a_batch_size_counts_the_steps_its_calls_saved_against_what_their_tokens_promised():
+    """A call of 2 rows: step 1 (rows level) accepts 2 and 0 nodes, step 2 (row 0 ahead: weights 8/9 and 1) one each,
+    so its weighted tokens promise 2 / 2 + (8/9 + 1) / (17/9) = 2 steps saved; its rows emit 2 and 3 tokens after
+    the first, which plain decoding takes 3 steps for, so it saved 1. The next call of 2 rows counts a drafted token
+    at (1 + 8) / (2 + 8) of its weight; batch 1 at its full weight."""
+    s = CostAwareScheduler(costs={1: 1.0, 17: 5.0})
+    s.reset(PromptLookupDrafter(max_draft_len=16))
+    s.acceptance.tried[:] = 1e6
+    s.acceptance.accepted[:] = 0.9e6
+    assert s.batch_worth() == 1.0
+    s.set_rows([10.0, 10.0])
+    assert s.batch_worth() == 1.0  # nothing counted yet at 2 rows
+    s.update_batch([draft(2), draft(2)], [[0, 1], []], [0.0, 0.0], 1.0)
+    s.set_rows([8.0, 9.0])
+    s.update_batch([draft(2), draft(2)], [[0], [0]], [0.0, 0.0], 1.0)
+    s.finish([2, 3], 1.0)
+    worth = (1 + s.SAVED_PRIOR) / (2 + s.SAVED_PRIOR)
+    s.reset(PromptLookupDrafter(max_draft_len=16))
+    s.set_rows([10.0, 10.0])
+    assert s.batch_worth() == pytest.approx(worth)
+    cost = s.verify_costs.step_cost
+    e = [sum(0.9**i for i in range(1, k + 1)) for k in range(5)]
+    expected = [(2 + min(worth * e[w], w) + min(worth * e[min(w, 2)], min(w, 2))) / cost(2, w + 1) for w in range(5)]
+    assert s.expected_batch_rates([draft(4), draft(2)]) == pytest.approx(expected, rel=1e-4)
+    s.update_batch([draft(2), draft(2)], [[], []], [0.0, 0.0], 1.0)  # a call that promised nothing counts nothing
+    s.finish([4, 4], 1.0)
+    s.reset(PromptLookupDrafter(max_draft_len=16))
+    s.set_rows([10.0])
+    assert s.batch_worth() == 1.0  # batch 1: a token saves its step
+    s.set_rows([10.0, 10.0])  # the call's batch size is set by its first step
+    assert s.batch_worth() == 1.0
+    s.reset(PromptLookupDrafter(max_draft_len=16))
+    s.set_rows([10.0, 10.0])
+    s.update_batch([draft(2), draft(2)], [[0, 1], [0, 1]], [0.0, 0.0], 1.0)  # promised 2 steps, and saved them
+    s.finish([3, 3], 1.0)
+    s.set_rows([10.0, 10.0])
+    realized, promised = s.SAVED_DECAY * 1 + 2, s.SAVED_DECAY * 2 + 2  # earlier calls count less
+    assert s.batch_worth() == pytest.approx((realized + s.SAVED_PRIOR) / (promised + s.SAVED_PRIOR))
 
 
-def test_the_batch_gate_drafts_while_calls_with_drafts_measure_faster():
-    """A batch size's first two calls run plain; the next drafts. Calls that lose keep it plain for 1, 2, 4, ...
-    calls (at most MAX_WAIT) before drafting is tried again; calls that win let it draft on, but for one plain call
-    in REFRESH. Batch 1 always drafts."""
-    gate, rows = BatchGate(), 4
-    assert gate.drafts(1) and not gate.drafts(rows)
-    for _ in range(BatchGate.PLAIN_FIRST):
-        assert not gate.drafts(rows)
-        gate.finish(rows, drafted=False, modelled=10.0, seconds=12.0)  # plain calls take 1.2x the model's seconds
-    taken = []
-    for speedup in [0.8, 0.8, 0.8, 0.8, 0.8, 0.8]:
-        while not gate.drafts(rows):
-            taken.append("plain")
-            gate.finish(rows, drafted=False, modelled=10.0, seconds=12.0)
-        taken.append("drafts")
-        gate.finish(rows, drafted=True, modelled=10.0, seconds=12.0 / speedup)
-    assert taken == ["drafts"] + ["plain", "drafts"] + ["plain"] * 2 + ["drafts"] + ["plain"] * 4 + ["drafts"] + [
-        "plain"
-    ] * 8 + ["drafts"] + ["plain"] * 16 + ["drafts"]
-    assert gate.speedup(rows) == pytest.approx(0.8)
-    taken = []
-    for _ in range(48):  # drafting that pays again: a few backed-off tries find it, and it stays on
-        if gate.drafts(rows):
-            taken.append("d")
-            gate.finish(rows, drafted=True, modelled=10.0, seconds=12.0 / 1.5)
-        else:
-            taken.append(".")
-            gate.finish(rows, drafted=False, modelled=10.0, seconds=12.0)
-    tail = "".join(taken[-3 * BatchGate.REFRESH :])
-    assert gate.speedup(rows) > 1 and tail.count(".") == 3 and "d" * (BatchGate.REFRESH - 1) in tail
-
-
-def calls_drafted(gate: BatchGate, rows: int, speedups: list[float], calls: int) -> str:
-    """Which of `calls` calls of `rows` rows draft ("d") or run plain ("."): drafting calls read the next of
-    `speedups` in turn, plain calls take 1.1x and 1.3x the cost model's seconds in turn (a noisy machine)."""
-    taken = []
-    for call in range(calls):
-        if gate.drafts(rows):
-            gate.finish(rows, drafted=True, modelled=10.0, seconds=12.0 / speedups[taken.count("d") % len(speedups)])
-            taken.append("d")
-        else:
-            gate.finish(rows, drafted=False, modelled=10.0, seconds=11.0 if call % 2 else 13.0)
-            taken.append(".")
-    return "".join(taken)
-
-
-def test_the_batch_gate_drafts_on_only_while_the_speedup_clears_the_noise_of_its_readings():
-    """One call's time is a noisy reading. Readings that scatter around a loss (1.04x, then 0.86x) keep a batch size
-    plain but for the backed-off tries, however the lucky ones read; readings as scattered around a clear gain
-    (1.4x, 1.2x) keep it drafting; and a batch size the process mixes (one call in 4 gains, the rest lose) drafts
-    few of its losing calls."""
-    losing = calls_drafted(BatchGate(), 4, [1.04, 0.86], 40)
-    assert losing.count("d") <= 8  # the first try, then 1 in 2, 3, 5, 9, 17 calls
-    gate = BatchGate()
-    assert calls_drafted(gate, 4, [1.4, 1.2], 40) == ".." + "ddddddd." * 4 + "dddddd"
-    assert gate.noise() > BatchGate.NOISE_PRIOR  # measured from the readings, not assumed
-    gate, lost = BatchGate(), 0
-    for call in range(64):
-        gains = call % 4 == 3
-        if gate.drafts(8):
-            lost += not gains
-            gate.finish(8, drafted=True, modelled=10.0, seconds=12.0 / (1.15 if gains else 0.9))
-        else:
-            gate.finish(8, drafted=False, modelled=10.0, seconds=11.0 if call % 2 else 13.0)
-    assert lost <= 48 // 8
-
-
-def test_a_batch_call_drafts_only_once_plain_calls_have_measured_its_batch_size():
-    """The default scheduler's first calls of 2 rows run the engine's plain step throughout (its drafter is never
-    asked); the next drafts. Either way the output is `generate`'s."""
-    proposed = []
-
-    class Lookup(PromptLookupDrafter):  # each row drafts with a fork: the list is what they share
-        def propose(self, ctx, max_tokens):
-            proposed.append(ctx.row)
-            return super().propose(ctx, max_tokens)
-
+def test_a_batch_call_drafts_from_its_first_call_and_counts_what_its_steps_saved():
+    """The default scheduler drafts in the first call of 2 rows (each row's drafter proposes `generate`'s own
+    continuation of that row, cut short); after it, the steps it saved and its weighted accepted tokens are what the
+    engine's steps reported. The output is `generate`'s."""
     model = tiny_model("llama", 48, 2, seed=0)
     prompt = torch.tensor([[5, 6, 7, 5, 6, 7, 5, 6], [1, 2, 3, 4, 1, 2, 3, 4]])
     expected = model.generate(prompt, max_new_tokens=12, do_sample=False)
-    lookup, scheduler = Lookup(max_ngram=2, max_draft_len=4), CostAwareScheduler(costs=FLAT)
-    for _ in range(BatchGate.PLAIN_FIRST):
-        assert torch.equal(
-            hybrid.generate(model, prompt, drafter=lookup, scheduler=scheduler, max_new_tokens=12), expected
-        )
-        assert not proposed and scheduler._gate.speedup(2) is None
-    assert torch.equal(hybrid.generate(model, prompt, drafter=lookup, scheduler=scheduler, max_new_tokens=12), expected)
-    assert proposed and scheduler._gate.speedup(2) is not None
+    steps, promised = [], []
+
+    class RowOracle(Drafter):
+        max_draft_len = 3
+
+        def propose(self, ctx, max_tokens):
+            committed, row = ctx.input_ids[0], expected[ctx.row]
+            n = committed.shape[0]
+            return Draft(row[n : n + min(max_tokens, 1 + n % 3)])  # 1-3 right tokens, so rows advance unevenly
+
+    class Recording(CostAwareScheduler):
+        def update_batch(self, drafts, accepted, draft_times, verify_time):
+            weights = self._row_weights(len(drafts))
+            steps.append(len(drafts))
+            promised.append(sum(w * len(kept) for w, kept in zip(weights, accepted)) / sum(weights))
+            super().update_batch(drafts, accepted, draft_times, verify_time)
+
+    scheduler = Recording(costs=FLAT)
+    out = hybrid.generate(model, prompt, drafter=RowOracle(), scheduler=scheduler, max_new_tokens=12)
+    assert torch.equal(out, expected)
+    assert sum(promised) > 0 and len(steps) < 11
+    assert scheduler._saved[2] == pytest.approx([11 - len(steps), sum(promised)])
