@@ -251,6 +251,11 @@ class CostAwareScheduler(_Calibrated):
         realized, estimated = self._saved.get(rows, (0.0, 0.0))
         return min(max((realized + self.SAVED_PRIOR) / (estimated + self.SAVED_PRIOR), 0.0), 1.0)
 
+    def token_factor(self) -> float:
+        """What one accepted token the calibration or a stage's record expects counts as in this call's estimates:
+        its own correction times what a token is worth to a batch of its size."""
+        return self.call_factor() * self.batch_worth()
+
     def _row_weights(self, rows: int) -> list[float]:
         return self._weights if len(self._weights) == rows else [1.0] * rows
 
@@ -278,7 +283,7 @@ class CostAwareScheduler(_Calibrated):
         n = 0..all."""
         gain = self._gain(rows)
         worth = sum(self._row_weights(rows))
-        factor = self.call_factor() * self.batch_worth()
+        factor = self.token_factor()
         return [
             (
                 worth * (1 + factor * tokens),
@@ -331,8 +336,8 @@ class CostAwareScheduler(_Calibrated):
         row's E(0..k) as the calibration gives it (`draft_expectation`), when the caller has it already."""
         if predicted is None:
             predicted = [draft_expectation(self.acceptance, draft) for draft in drafts]
-        factor = self.call_factor() * self.batch_worth()
-        # Scaled by the call's correction, never past what k drafted nodes can give (k of them accepted).
+        factor = self.token_factor()
+        # Scaled by the call's corrections, never past what k drafted nodes can give (k of them accepted).
         expected = [[min(factor * e, k) for k, e in enumerate(row)] for row in predicted]
         rows = len(drafts)
         weights = self._row_weights(rows)

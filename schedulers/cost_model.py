@@ -9,7 +9,8 @@ other beats it by `KERNEL_MARGIN`), so a step never costs more than PyTorch's fo
 64 forwards per kernel, about 17 s for SmolLM2-135M on the 2-core CPU (from its per-width costs), once per
 (model, dtype, device, CPU or GPU model, threads), inside the first call that needs the table
 (`python -m experiments.verify_costs` measures it ahead of time instead); the table and the choice are cached on
-disk together and later runs read them in well under a millisecond. Sizes between are interpolated and beyond the table extrapolated linearly.
+disk together and later runs read them in well under a millisecond. Sizes between are interpolated and beyond the
+table extrapolated linearly.
 During a run, observed verify times correct it two ways (`VerifyCostModel.observe_step`): one scale for the whole
 curve (machine load changes), and a factor per batch size, since a batch of 8 rows 2 wide is not a forward of 16
 positions of one sequence (each row attends to its own cache). Widths keep the table's relative costs: a factor per
