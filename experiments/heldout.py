@@ -16,7 +16,9 @@ with `--ngram-store`, that store alone and continuing prompt lookup (`drafters.t
 from the same folder, so that its held-out answers are these).
 `--fill` also scores each block checkpoint in the default's chain: prompt lookup (continued by the store with
 `--ngram-store`) proposes the block's first positions, the model fills the rest reading them as known; with
-`--branch`, also with the model's own first k tokens verified beside that chain (`drafters.ChainDrafter`'s branch).
+`--branch`, also with the model's own first k tokens verified beside that chain (`drafters.ChainDrafter`'s branch);
+with `--store-cut`, also with the lookup's draft cut before its first token of lower confidence (the store's share
+of it), so the block model fills where the store is unsure.
 `--reveal` also prints each block checkpoint's teacher-forced accuracy by position with the true tokens of the
 first 0, 1, 2, 3 positions given, which shows whether the model reads known block tokens.
 """
@@ -166,6 +168,12 @@ def main(argv=None) -> None:
         "of this list, e.g. 0,1,2 (drafters.ChainDrafter's branch; every node of the tree verified)",
     )
     parser.add_argument(
+        "--store-cut",
+        default="0",
+        help="with --fill, also the chain with the lookup's draft ending before its first token of confidence below "
+        "each share of this list, e.g. 0,0.3 (the block model fills from there)",
+    )
+    parser.add_argument(
         "--reveal", action="store_true", help="also the teacher-forced accuracy with the first 0-3 true tokens given"
     )
     parser.add_argument(
@@ -188,6 +196,12 @@ def main(argv=None) -> None:
         )
     passes, lookups = int_list(parser, "--passes", args.passes), int_list(parser, "--lookup", args.lookup)
     branches = int_list(parser, "--branch", args.branch, least=0)
+    try:
+        cuts = [float(x) for x in args.store_cut.split(",")]
+    except ValueError:
+        parser.error(f"--store-cut {args.store_cut!r}: give shares in [0, 1], e.g. 0,0.3")
+    if not all(0.0 <= c <= 1.0 for c in cuts):
+        parser.error(f"--store-cut {args.store_cut!r}: give shares in [0, 1], e.g. 0,0.3")
     max_ngrams = int_list(parser, "--max-ngrams", args.max_ngrams)
     try:
         check_prefer_store(args.prefer_store, args.ngram_store)
@@ -237,7 +251,7 @@ def main(argv=None) -> None:
             )
             print(row(f"{path}, {p} pass{'es' if p > 1 else ''}", tau, by_position), flush=True)
         if args.fill:  # the default's chain: the lookup's tokens first, the block model fills the rest
-            for m, p, k in itertools.product(max_ngrams, passes, branches):
+            for m, p, k, cut in itertools.product(max_ngrams, passes, branches, cuts):
                 tau, by_position, share = lookup_fill_tau(
                     model,
                     embed,
@@ -252,10 +266,13 @@ def main(argv=None) -> None:
                     args.prefer_store,
                     p,
                     branch=k,
+                    store_cut=cut,
                 )
                 lookup = f"prompt lookup{match(m)}" + (" + n-gram store" if ngrams is not None else "")
                 if args.prefer_store is not None and ngrams is not None:
                     lookup += f" (preferred at share >= {args.prefer_store})"
+                if cut:
+                    lookup += f", cut before a token of confidence < {cut}"
                 name = f"{lookup}, then {path} fills the block, {p} pass{'es' if p > 1 else ''}"
                 if k:
                     name += f", its own first {k} token{'s' if k > 1 else ''} beside"

@@ -37,7 +37,7 @@ python -m experiments.regimes --datasets dev,humaneval --batch-sizes 2,8 --tempe
 # reading the anchor or the nearest known token, half the blocks given a prefix; scored on the shipped held-out answers.
 W=~/.cache/hybrid/drafter
 python -m drafters.training.answer_sets finetune --out $W/finetune-prompts.jsonl
-FT="python -m drafters.training.train --init-from drafters/checkpoints/smollm2-135m-block --work-dir $W \
+FT="python -m drafters.training.train --init-from drafters/checkpoints/smollm2-135m-block-gpu --work-dir $W \
     --prompts $W/finetune-prompts.jsonl --gen-batch 16 --gen-shards 11 --doc-tokens 30000 --seqs-per-step 4 \
     --anchors-per-seq 64 --lr 1e-3 --steps 240 --save-every 20 --eval-every 240 --eval-seqs 64 --threads 1"
 $FT --masked-input anchor --reveal-prob 0.5 --reveal-scheme prefix --out $W/ft-anchor-prefix05
@@ -46,26 +46,26 @@ for keep in 2 8; do  # the same, keeping the shipped checkpoint's drafts where a
     $FT --masked-input nearest_known --reveal-prob 0.5 --reveal-scheme prefix --keep-weight $keep \
         --out $W/ft-nk-prefix05-keep$keep
 done
-mkdir -p runs/heldout && python -m experiments.heldout --block drafters/checkpoints/smollm2-135m-block \
+mkdir -p runs/heldout && python -m experiments.heldout --block drafters/checkpoints/smollm2-135m-block-gpu \
     --block $W/ft-anchor-prefix05 --block $W/ft-nk-prefix05 --block $W/ft-nk-prefix05-keep2 \
     --block $W/ft-nk-prefix05-keep8 --passes 1,2,3 --reveal --fill \
     --ngram-store drafters/checkpoints/smollm2-135m-ngram --max-ngrams 32 --prefer-store 0.5 --lookup 7 \
     --anchors-per-answer 16 | tee runs/heldout/finetune.md
-python -m experiments.heldout --block drafters/checkpoints/smollm2-135m-block --masked-input nearest_known \
+python -m experiments.heldout --block drafters/checkpoints/smollm2-135m-block-gpu --masked-input nearest_known \
     --passes 1,2,3 --reveal --lookup 7 --anchors-per-answer 16 | tee runs/heldout/shipped-nearest-known.md
 for run in ft-anchor-prefix05 ft-nk-prefix05 ft-nk-prefix05-keep2 ft-nk-prefix05-keep8; do cp $W/$run/training.json runs/heldout/$run-training.json; done
 # The same reading on the GPU recipe's own answers (restored from the token ids of a GPU run): the shipped checkpoint
 # fine-tuned with nearest_known, half or a quarter of the blocks given a prefix, and half keeping its drafts.
 W=~/.cache/hybrid/drafter-gpu
 python -m drafters.training.answer_sets restore --answers drafters/training/data/smollm2-135m-recipe --work-dir $W
-RT="python -m drafters.training.train --arch block --init-from drafters/checkpoints/smollm2-135m-block --work-dir $W \
+RT="python -m drafters.training.train --arch block --init-from drafters/checkpoints/smollm2-135m-block-gpu --work-dir $W \
     --gen-shards 1 --gen-batch 512 --synthetic-prompts 8000 --doc-tokens 20000 --seqs-per-step 8 --anchors-per-seq 64 \
     --block-size 8 --layers 2 --gamma 2 --lr 1e-3 --steps 300 --eval-every 100 --save-every 100 \
     --masked-input nearest_known --reveal-scheme prefix --threads 2"
 $RT --reveal-prob 0.5 --out $W/ft-recipe-nk
 $RT --reveal-prob 0.25 --out $W/ft-recipe-nk-r025
 $RT --reveal-prob 0.5 --keep-weight 4 --out $W/ft-recipe-nk-keep4
-python -m experiments.heldout --block drafters/checkpoints/smollm2-135m-block --block $W/ft-recipe-nk \
+python -m experiments.heldout --block drafters/checkpoints/smollm2-135m-block-gpu --block $W/ft-recipe-nk \
     --block $W/ft-recipe-nk-keep4 --block $W/ft-recipe-nk-r025 --passes 1,2,3,7 --reveal --fill \
     --ngram-store drafters/checkpoints/smollm2-135m-ngram --max-ngrams 32 --prefer-store 0.5 --lookup 7 \
     --anchors-per-answer 16 | tee runs/heldout/recipe-data.md
@@ -76,9 +76,35 @@ python -m experiments.heldout --block $W/ft-recipe-nk-keep4-g3 --passes 1,2,3,7 
 for run in ft-recipe-nk ft-recipe-nk-r025 ft-recipe-nk-keep4 ft-recipe-nk-keep4-g3; do
     cp $W/$run/training.json runs/heldout/$run-training.json
 done
+# The shipped block model: the GPU base trained on for 2,600 steps on 2 cores, reading the nearest known token; scored
+# offline on the held-out answers and on the answers to our dev-chat questions (novel text), then in the bench.
+mkdir -p runs/shipped-block
+python -m drafters.training.train --arch block --init-from drafters/checkpoints/smollm2-135m-block-gpu --work-dir $W \
+    --gen-shards 3 --gen-batch 512 --synthetic-prompts 8000 --doc-tokens 20000 --seqs-per-step 8 --anchors-per-seq 64 \
+    --block-size 8 --layers 2 --gamma 2 --lr 1e-3 --steps 2600 --eval-every 650 --save-every 100 \
+    --masked-input nearest_known --reveal-scheme prefix --reveal-prob 0.5 --threads 2 --out $W/ft-recipe-nk-long-g3 \
+    | tee runs/shipped-block/training.log  # copy it to drafters/checkpoints/smollm2-135m-block to ship it
+python -m experiments.heldout --block drafters/checkpoints/smollm2-135m-block \
+    --passes 1,2,3,7 --reveal --fill --store-cut 0,0.3 --ngram-store drafters/checkpoints/smollm2-135m-ngram \
+    --max-ngrams 32 --prefer-store 0.5 --lookup 7 --anchors-per-answer 16 | tee runs/shipped-block/heldout.md
+python -m drafters.training.answer_sets prompts --prompts experiments/prompts/dev-chat.jsonl \
+    --out drafters/checkpoints/smollm2-135m-dev-chat --batch-size 16 --max-new-tokens 256
+python -m experiments.heldout --answers drafters/checkpoints/smollm2-135m-dev-chat \
+    --block drafters/checkpoints/smollm2-135m-block --passes 1,3,7 --fill --store-cut 0,0.3 \
+    --ngram-store drafters/checkpoints/smollm2-135m-ngram --max-ngrams 32 --prefer-store 0.5 --lookup 7 \
+    --anchors-per-answer 48 | tee runs/shipped-block/dev-chat.md
+python -m experiments.heldout --answers drafters/checkpoints/smollm2-135m-dev-chat \
+    --block drafters/checkpoints/smollm2-135m-block-gpu --passes 1,7 --fill --branch 0,2 \
+    --ngram-store drafters/checkpoints/smollm2-135m-ngram --max-ngrams 32 --prefer-store 0.5 --lookup 7 \
+    --anchors-per-answer 48 | tee runs/shipped-block/dev-chat-base.md
+for set in dev heldout mt-bench humaneval; do
+    mkdir -p runs/shipped-block/bench-$set && python -m experiments.bench --dataset $set --num-prompts 8 \
+        --max-new-tokens 256 --repeats 1 --methods plain,hybrid-default,hybrid-match-store \
+        --out runs/shipped-block/bench-$set | tee runs/shipped-block/bench-$set/table.txt
+done
 # The block model's own first tokens verified beside the default's chain (drafters.ChainDrafter's branch): offline,
 # every node verified, and in the bench against the default and its lookup and store alone.
-python -m experiments.heldout --block drafters/checkpoints/smollm2-135m-block --passes 1 --fill --branch 0,1,2,3,7 \
+python -m experiments.heldout --block drafters/checkpoints/smollm2-135m-block-gpu --passes 1 --fill --branch 0,1,2,3,7 \
     --ngram-store drafters/checkpoints/smollm2-135m-ngram --max-ngrams 32 --prefer-store 0.5 --lookup 7 \
     --anchors-per-answer 16 | tee runs/heldout/branch.md
 python -m experiments.scheduler_prior --branch 2 --num-prompts 8 --max-new-tokens 256
@@ -102,7 +128,8 @@ for run in dflash-drafter-a32 block-drafter-a32 block-drafter-a32-1800; do
     cp $W/$run/training.json runs/extras/$run-training.json
 done
 for run in verify-costs bench-heldout bench-mt-bench bench-humaneval bench-dev bench-sampling-mt-bench bench-sampling-heldout \
-    first-call online-store regimes heldout extras branch/bench-dev branch/bench-heldout; do
+    first-call online-store regimes heldout extras branch/bench-dev branch/bench-heldout shipped-block \
+    shipped-block/bench-dev shipped-block/bench-heldout shipped-block/bench-mt-bench shipped-block/bench-humaneval; do
     mkdir -p "docs/results/$run"
     cp runs/$run/*.png runs/$run/*.md runs/$run/*.csv runs/$run/*.json runs/$run/*.txt "docs/results/$run/" 2>/dev/null || true
 done

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from drafters.training import answer_sets
 from drafters.training.answer_sets import (
     RECIPE_BATCH,
     RECIPE_FOLDER,
@@ -92,3 +93,28 @@ def test_position_weights_start_at_the_first_position_left_to_draft():
     weights = position_weights(5, 2.0, torch.tensor([0, 2]))
     assert torch.allclose(weights[1], torch.exp(-torch.tensor([0.0, 0.0, 0.0, 1.0]) / 2))
     assert torch.allclose(weights[0], position_weights(5, 2.0))
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["prompts", "--out", "x"], "prompts needs --prompts FILE"),
+        (
+            ["prompts", "--out", "x", "--prompts", "bad.jsonl"],
+            'bad.jsonl:1: each line must be a JSON object with a "prompt"',
+        ),
+        (["heldout", "--out", "x", "--prompts", "good.jsonl"], "--prompts is for the prompts set"),
+    ],
+)
+def test_answering_a_prompt_file_refuses_bad_input_before_the_verifier_loads(
+    args, message, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bad.jsonl").write_text('{"text": "no prompt"}\n')
+    (tmp_path / "good.jsonl").write_text('{"prompt": "a"}\n')
+    monkeypatch.setattr(answer_sets, "answer_prompts", lambda *a: pytest.fail("answered bad input"))
+    monkeypatch.setattr(answer_sets, "answer_held_out", lambda *a: pytest.fail("answered bad input"))
+    with pytest.raises(SystemExit) as exit_info:
+        answer_sets.main(args + ["--work-dir", str(tmp_path / "work")])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err

@@ -318,6 +318,8 @@ def test_warns_when_accelerate_cpu_launch_started_one_process(monkeypatch):
         (["--lookup", "7,x"], "--lookup '7,x': give comma-separated integers"),
         (["--max-ngrams", "0"], "--max-ngrams '0': every value must be >= 1"),
         (["--branch", "0,-1"], "--branch '0,-1': every value must be >= 0"),
+        (["--store-cut", "0,1.5"], "--store-cut '0,1.5': give shares in [0, 1]"),
+        (["--store-cut", "x"], "--store-cut 'x': give shares in [0, 1]"),
         (["--prefer-store", "0.5"], "--prefer-store needs --ngram-store"),
         (["--anchors-per-answer", "0"], "--anchors-per-answer 0: give at least 1"),
     ],

@@ -1,6 +1,8 @@
 """Prompt sets that outlast a training run: held-out verifier answers as compact token ids, and unanswered prompts.
 
     python -m drafters.training.answer_sets heldout --out drafters/checkpoints/smollm2-135m-heldout
+    python -m drafters.training.answer_sets prompts --prompts experiments/prompts/dev-chat.jsonl \
+        --out drafters/checkpoints/smollm2-135m-dev-chat
     python -m drafters.training.answer_sets finetune --out ~/.cache/hybrid/drafter/finetune-prompts.jsonl
 
 The GPU recipe (experiments/gpu_train.sh) answers the first RECIPE_ANSWERED of its prompts, the templated ones
@@ -11,6 +13,9 @@ are the same on every machine (the sampled turns are not: they depend on the dev
 - `heldout` answers those prompts greedily with the verifier and writes their token ids (answers.safetensors,
   uint16, a few hundred kB) and how they were made (answers.json): the answers every drafter variant is scored on
   (`experiments.heldout --answers FOLDER`), without the features cache of a past run;
+- `prompts` answers the prompts of any .jsonl of `{"prompt": ...}` lines greedily and writes them the same way:
+  `--prompts experiments/prompts/dev-chat.jsonl` gives the answers to our everyday chat questions, novel text where
+  a lookup has little to copy, on which a drafter may be tuned (the held-out prompt set stays for the benches);
 - `finetune` writes the templated prompts the recipe never answered (neither trained on nor held out), with the
   code tasks it trained on, as a prompt file for `drafters.training.train --prompts`: new data for a fine-tune of
   the shipped drafter (`fine_tune_prompts`);
@@ -32,7 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from drafters.training.corpus import chat_prompts
+from drafters.training.corpus import chat_prompts, prompt_file
 from drafters.training.distill import (
     HELD_OUT_EVERY,
     generate_shards,
@@ -117,24 +122,34 @@ def shard_rows(shards: list[Path]) -> list[dict]:
     return [r for path in shards for r in json.loads(path.read_text())]
 
 
-def answer_held_out(out: Path, work_dir: Path, batch_size: int, max_new_tokens: int) -> None:
+def answer(prompts: list[str], gen_dir: Path, out: Path, batch_size: int, max_new_tokens: int, what: str, command: str):
+    """The verifier's greedy answers to `prompts` as token ids in `out` (shards in `gen_dir`: an interrupted run
+    resumes); `what` and the `command` that wrote them go into its answers.json."""
     from verifiers.embedded import load_verifier
 
-    held, _, _ = recipe_split()
     verifier, tokenizer = load_verifier("cpu")
-    gen_dir = work_dir / f"heldout-answers-{max_new_tokens}"  # shards: an interrupted run resumes
     generate_shards(
-        verifier, tokenizer, held, gen_dir, float("inf"), batch_size=batch_size, max_new_tokens=max_new_tokens
+        verifier, tokenizer, prompts, gen_dir, float("inf"), batch_size=batch_size, max_new_tokens=max_new_tokens
     )
     rows = shard_rows(sorted(gen_dir.glob("gen-*.json")))
-    info = {
-        "what": "greedy answers of the verifier to the templated prompts the GPU recipe holds out",
-        "command": f"python -m drafters.training.answer_sets heldout --out {out} --batch-size {batch_size} "
-        f"--max-new-tokens {max_new_tokens}",
-        "max_new_tokens": max_new_tokens,
-    }
-    save_answers(rows, out, info)
-    print(f"{len(rows)} held-out answers in {out / ANSWERS_NAME}")
+    command += f" --out {out} --batch-size {batch_size} --max-new-tokens {max_new_tokens}"
+    save_answers(rows, out, {"what": what, "command": command, "max_new_tokens": max_new_tokens})
+    print(f"{len(rows)} answers in {out / ANSWERS_NAME}")
+
+
+def answer_held_out(out: Path, work_dir: Path, batch_size: int, max_new_tokens: int) -> None:
+    held, _, _ = recipe_split()
+    what = "greedy answers of the verifier to the templated prompts the GPU recipe holds out"
+    command = "python -m drafters.training.answer_sets heldout"
+    answer(held, work_dir / f"heldout-answers-{max_new_tokens}", out, batch_size, max_new_tokens, what, command)
+
+
+def answer_prompts(prompts: list[str], name: str, out: Path, work_dir: Path, batch_size: int, max_new_tokens: int):
+    """Greedy answers to `prompts` (from the prompt file `name`) as token ids in `out`."""
+    what = f"greedy answers of the verifier to the prompts of {name}"
+    command = f"python -m drafters.training.answer_sets prompts --prompts {name}"
+    gen_dir = work_dir / f"answers-{Path(name).stem}-{max_new_tokens}"
+    answer(prompts, gen_dir, out, batch_size, max_new_tokens, what, command)
 
 
 def pack_recipe(work_dir: Path, out: Path) -> None:
@@ -185,18 +200,22 @@ def main(argv=None) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("set", choices=("heldout", "finetune", "recipe", "restore"))
-    parser.add_argument("--out", type=Path, help="heldout, recipe: a folder; finetune: a .jsonl prompt file")
+    parser.add_argument("set", choices=("heldout", "prompts", "finetune", "recipe", "restore"))
+    parser.add_argument("--out", type=Path, help="heldout, prompts, recipe: a folder; finetune: a .jsonl prompt file")
+    parser.add_argument("--prompts", type=Path, help='prompts: the .jsonl of {"prompt": ...} lines to answer')
     parser.add_argument("--answers", type=Path, help="restore: the folder `recipe` wrote")
     parser.add_argument(
         "--work-dir",
         type=Path,
         default=DEFAULT_WORK_DIR,
-        help="heldout: where its shards are cached; recipe: read from, restore: written to (the recipe's WORK)",
+        help="heldout, prompts: where the shards are cached; recipe: read from, restore: written to (the recipe's "
+        "WORK)",
     )
-    parser.add_argument("--batch-size", type=int, default=52, help="heldout: prompts answered per batch")
-    parser.add_argument("--max-new-tokens", type=int, default=256, help="heldout: the longest answer")
+    parser.add_argument("--batch-size", type=int, default=52, help="heldout, prompts: prompts answered per batch")
+    parser.add_argument("--max-new-tokens", type=int, default=256, help="heldout, prompts: the longest answer")
     args = parser.parse_args(argv)
+    if args.prompts is not None and args.set != "prompts":
+        parser.error(f"--prompts is for the prompts set; {args.set} answers its own prompts")
     if args.set == "restore":
         if args.answers is None:
             parser.error("restore needs --answers FOLDER (what `recipe` wrote)")
@@ -209,6 +228,15 @@ def main(argv=None) -> None:
         return
     if args.set == "heldout":
         answer_held_out(args.out, args.work_dir, args.batch_size, args.max_new_tokens)
+        return
+    if args.set == "prompts":
+        if args.prompts is None or not args.prompts.is_file():
+            parser.error(f'prompts needs --prompts FILE, a .jsonl of {{"prompt": ...}} lines (got {args.prompts})')
+        try:
+            prompts = prompt_file(args.prompts)
+        except ValueError as error:
+            parser.error(str(error))
+        answer_prompts(prompts, str(args.prompts), args.out, args.work_dir, args.batch_size, args.max_new_tokens)
         return
     prompts = fine_tune_prompts()
     args.out.parent.mkdir(parents=True, exist_ok=True)
