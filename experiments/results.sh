@@ -102,6 +102,9 @@ for set in dev heldout mt-bench humaneval; do
         --max-new-tokens 256 --repeats 1 --methods plain,hybrid-default,hybrid-match-store \
         --out runs/shipped-block/bench-$set | tee runs/shipped-block/bench-$set/table.txt
 done
+mkdir -p runs/shipped-block/bench-sampling-heldout && python -m experiments.bench --dataset heldout --num-prompts 8 \
+    --max-new-tokens 256 --repeats 1 --temperature 0.7 --top-p 0.9 --methods plain,hybrid-default \
+    --out runs/shipped-block/bench-sampling-heldout | tee runs/shipped-block/bench-sampling-heldout/table.txt
 # The block model's own first tokens verified beside the default's chain (drafters.ChainDrafter's branch): offline,
 # every node verified, and in the bench against the default and its lookup and store alone.
 python -m experiments.heldout --block drafters/checkpoints/smollm2-135m-block-gpu --passes 1 --fill --branch 0,1,2,3,7 \
@@ -129,7 +132,7 @@ for run in dflash-drafter-a32 block-drafter-a32 block-drafter-a32-1800; do
 done
 for run in verify-costs bench-heldout bench-mt-bench bench-humaneval bench-dev bench-sampling-mt-bench bench-sampling-heldout \
     first-call online-store regimes heldout extras branch/bench-dev branch/bench-heldout shipped-block \
-    shipped-block/bench-dev shipped-block/bench-heldout shipped-block/bench-mt-bench shipped-block/bench-humaneval; do
+    shipped-block/bench-dev shipped-block/bench-heldout shipped-block/bench-mt-bench shipped-block/bench-humaneval shipped-block/bench-sampling-heldout; do
     mkdir -p "docs/results/$run"
     cp runs/$run/*.png runs/$run/*.md runs/$run/*.csv runs/$run/*.json runs/$run/*.txt "docs/results/$run/" 2>/dev/null || true
 done
