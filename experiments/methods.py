@@ -70,9 +70,9 @@ DRAFTERS: dict[str, DrafterEntry | None] = {
     # and the store preferred over a one-token match; and the same lookup without the model.
     "default": long_lookup_entry(trained_drafters.default),
     "match-store": long_lookup_entry(lambda model, block: trained_drafters.match_store(block)),
-    # The default with up to 3 denoising passes, and with the block drafter trained here instead of the shipped one
-    # (`python -m drafters.training.train` writes it to ~/.cache/hybrid/drafter/block-drafter).
-    "default-3passes": long_lookup_entry(lambda model, block: trained_drafters.default(model, block, steps=3)),
+    # The default with one denoising pass (none re-predicts), and with the block drafter trained here instead of the
+    # shipped one (`python -m drafters.training.train` writes it to ~/.cache/hybrid/drafter/block-drafter).
+    "default-1pass": long_lookup_entry(lambda model, block: trained_drafters.default(model, block, steps=1)),
     # The default with the block model's own first 2 tokens verified beside the lookup's draft, and with none.
     "default-branch2": long_lookup_entry(lambda model, block: trained_drafters.default(model, block, branch=2)),
     "default-no-branch": long_lookup_entry(lambda model, block: trained_drafters.default(model, block, branch=0)),
