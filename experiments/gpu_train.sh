@@ -14,11 +14,11 @@
 #   - baseline: the 1-layer AR drafter with the same trainable budget, on the same data (AR_STEPS steps);
 #   - with DFLASH=1, a drafter in DFlash's architecture, same layers, data and steps, scored against the block
 #     drafter by experiments.heldout --block OUT_DIR/block --dflash OUT_DIR/dflash.
-# On an H200 the block run takes ~13 min end to end (sampling user turns ~1 min, answering ~3.5 min, features
-# ~1 min, training ~7.5 min at 4.4 steps/s), the baseline ~4 min. `python -m drafters.training.answer_sets restore
-# --answers drafters/training/data/smollm2-135m-recipe --work-dir WORK` first skips sampling and answering. Knobs
-# can be overridden from the environment (DEVICE=cpu SYNTHETIC=16 ... for a smoke run; BASELINE=0 skips the
-# baseline).
+# On an H200 sampling user turns took ~1 min, answering ~3.5 min, features ~1 min, and training ran at 4.4 steps/s
+# (measured over 552 steps; 2,000 take ~7.5 min at that rate); the baseline took ~1 min for 552 steps. `python -m
+# drafters.training.answer_sets restore --answers drafters/training/data/smollm2-135m-recipe --work-dir WORK` first
+# skips sampling and answering. Knobs can be overridden from the environment (DEVICE=cpu SYNTHETIC=16 ... for a
+# smoke run; BASELINE=0 skips the baseline).
 set -euo pipefail
 OUT=${1:?usage: gpu_train.sh OUT_DIR}
 DEVICE=${DEVICE:-cuda}

@@ -51,6 +51,7 @@ from drafters.training.estimate import (
 )
 from drafters.training.models import block_forward
 from drafters.training.train import DEFAULT_WORK_DIR
+from experiments.arguments import parse_numbers
 from verifiers.embedded import load_verifier
 
 ANCHORS_PER_ANSWER = 8
@@ -197,10 +198,10 @@ def main(argv=None) -> None:
     passes, lookups = int_list(parser, "--passes", args.passes), int_list(parser, "--lookup", args.lookup)
     branches = int_list(parser, "--branch", args.branch, least=0)
     try:
-        cuts = [float(x) for x in args.store_cut.split(",")]
+        cuts = parse_numbers(args.store_cut, "--store-cut", float)
     except ValueError:
-        parser.error(f"--store-cut {args.store_cut!r}: give shares in [0, 1], e.g. 0,0.3")
-    if not all(0.0 <= c <= 1.0 for c in cuts):
+        cuts = []
+    if not cuts or not all(0.0 <= c <= 1.0 for c in cuts):
         parser.error(f"--store-cut {args.store_cut!r}: give shares in [0, 1], e.g. 0,0.3")
     max_ngrams = int_list(parser, "--max-ngrams", args.max_ngrams)
     try:

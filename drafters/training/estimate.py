@@ -167,10 +167,9 @@ def lookup_fill_tau(
     the block model, reading them as known, fills the rest with `passes` passes. With `branch` k > 0, the block
     model's own first k tokens (from the anchor alone) are verified beside that chain, as a second path of a tree
     (`drafters.ChainDrafter`'s branch): an anchor accepts the longer of the two, every node verified. With
-    `store_cut` > 0 the lookup's draft ends before its first token of lower confidence (a store token's share), and the
-    block model fills from there. Returns tau,
-    acceptance by position, and the share of anchors where the block model drafted anything (the lookup left
-    room)."""
+    `store_cut` > 0 the lookup's draft ends before its first token of lower confidence (a store token's share), and
+    the block model fills from there. Returns tau, acceptance by position, and the share of anchors where the block
+    model drafted anything (the lookup left room)."""
     model.eval()
     lengths, filled = [], 0
     for chunk, batch in anchor_block_batches(store, anchors, block_size, vmap, "cpu", chunk_size):

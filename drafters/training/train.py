@@ -8,10 +8,10 @@
     bash experiments/gpu_train.sh OUT              # the GPU recipe of the shipped checkpoint (these options, scaled)
 
 The shipped checkpoint (drafters/checkpoints/smollm2-135m-block) is the GPU recipe's (smollm2-135m-block-gpu) trained
-on with this command on 2 cores (`--init-from`); each one's training.json records its command and what it cost. Drafters go to WORK/{block,ar,dflash}-drafter unless --out
-says otherwise, where WORK is --work-dir for the embedded verifier and --work-dir/verifiers/ARCHITECTURE-KEY for any
-other (`verifier_work_dir`: the key is its fingerprint's, so no verifier reuses another's answers or features);
-copy a block drafter into drafters/checkpoints/ to ship it. A dflash drafter is a DFlash folder that vLLM and SGLang
+on with this command on 2 cores (`--init-from`); each one's training.json records its command and what it cost.
+Drafters go to WORK/{block,ar,dflash}-drafter unless --out says otherwise, where WORK is --work-dir for the embedded
+verifier and --work-dir/verifiers/ARCHITECTURE-KEY for any other (`verifier_work_dir`: the key is its fingerprint's,
+so no verifier reuses another's answers or features); copy a block drafter into drafters/checkpoints/ to ship it. A dflash drafter is a DFlash folder that vLLM and SGLang
 serve as it is (README).
 
 Stages, each cached under WORK (a rerun skips what is done; delete a folder to redo it):
