@@ -358,36 +358,53 @@ class BlockDiffusionDrafter(Drafter):
     def block_logits_rows(self, ctxs: list[DraftContext], blocks: torch.Tensor, knowns: torch.Tensor) -> torch.Tensor:
         """`block_logits` of several rows of one batch [R, B - 1, V'], in one forward of the block model: row r's
         context is its first n_r slots of the side buffer; slots past a row's length are masked."""
-        inputs, lengths = [], []
-        for ctx, block, known in zip(ctxs, blocks, knowns):
+        return self._block_logits(ctxs, self._block_context(ctxs, blocks.shape[1]), blocks, knowns)
+
+    def _block_context(self, ctxs: list[DraftContext], size: int) -> tuple:
+        """What every denoising pass over the rows' blocks of `size` positions reads and none changes: the fused
+        feature of the token before each anchor [R, hidden] (zeros if none), the rows' context keys/values, the
+        block positions [R, size] and the attention mask."""
+        lengths, states, tokens = [], [], []
+        for ctx in ctxs:
             committed = ctx.input_ids[0]
 
             def project(states, positions, committed=committed):
                 return self.model.context(self.model.features(states, self.embed(committed[positions])), positions)
 
-            n, states = sync_context(ctx, CONTEXT, self._context(ctx), project, type(self).__name__)
-            # The fused feature of the token before the anchor (zeros if none).
-            last = (
-                self.model.features(states[0, n - 1], self.embed(committed[n - 1]))
-                if n
-                else self.model.feature_gate.new_zeros(self.model.feature_gate.shape)
-            )
-            inputs.append(self.model.block_inputs(self.embed(block), known, last))
+            n, row_states = sync_context(ctx, CONTEXT, self._context(ctx), project, type(self).__name__)
             lengths.append(n)
-        static, size = ctxs[0].static, blocks.shape[1]
+            if n:
+                states.append(row_states[0, n - 1])
+                tokens.append(committed[n - 1])
+        last = self.model.feature_gate.new_zeros(len(ctxs), self.model.feature_gate.shape[0])
+        if states:  # one projection for every row that has a token before its anchor
+            rows = [r for r, n in enumerate(lengths) if n]
+            last[rows] = self.model.features(torch.stack(states), self.embed(torch.stack(tokens)))
         context, slots = gather_context(ctxs, self._context(ctxs[0]), lengths)
         n = torch.tensor(lengths, device=self.device)
         positions = n[:, None] + torch.arange(size, device=self.device)
-        forward, mask = self.model, None
-        if static or len(set(lengths)) > 1:  # [context slots ; block]: a row sees its own n slots and the block
+        mask = None
+        if ctxs[0].static or len(set(lengths)) > 1:  # [context slots ; block]: a row sees its own n slots and the block
             keys = torch.arange(slots + size, device=self.device)
             mask = ((keys < n[:, None]) | (keys >= slots))[:, None, None, :].expand(-1, 1, size, -1)
-        if static:
+        return last, context, positions, mask
+
+    def _block_logits(
+        self, ctxs: list[DraftContext], block_context: tuple, blocks: torch.Tensor, knowns: torch.Tensor
+    ) -> torch.Tensor:
+        """Draft-vocabulary logits [R, B - 1, V'] of the rows' blocks [R, B] given `known` [R, B], reading
+        `block_context` (`_block_context` of the same rows)."""
+        last, context, positions, mask = block_context
+        inputs = self.model.block_inputs(self.embed(blocks), knowns, last)
+        forward = self.model
+        if ctxs[0].static:
             forward = ctxs[0].compiled(self.model)
             if forward is not self.model:  # the last pass's output is consumed: CUDA graphs may reuse it
                 torch.compiler.cudagraph_mark_step_begin()
-        hidden = forward(torch.stack(inputs).to(self.model.norm.weight.dtype), positions, context, mask)
-        return (hidden[:, 1:] @ self.head.T.to(hidden.dtype)).float()
+        hidden = forward(inputs.to(self.model.norm.weight.dtype), positions, context, mask)[:, 1:]
+        # One matrix product for every row's positions: a batched product with the shared head is several times slower.
+        logits = hidden.reshape(-1, hidden.shape[-1]) @ self.head.T.to(hidden.dtype)
+        return logits.view(*hidden.shape[:2], -1).float()
 
     def _start(self, ctx: DraftContext, given: Draft) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(block [B], known [B], the given tokens' confidences [B - 1]) of a block whose first positions are `given`."""
@@ -407,53 +424,68 @@ class BlockDiffusionDrafter(Drafter):
         return self.fill(ctx, Draft.empty(ctx.input_ids.device), max_tokens)
 
     def propose_rows(self, drafters: list[Drafter], ctxs: list[DraftContext], max_tokens: list[int]) -> list[Draft]:
-        if not self._one_forward(ctxs):
+        if not self._draft_together(ctxs):
             return super().propose_rows(drafters, ctxs, max_tokens)
         return self._fill_together(drafters, ctxs, [Draft.empty(ctx.input_ids.device) for ctx in ctxs], max_tokens)
 
     def fill_rows(
         self, drafters: list[Drafter], ctxs: list[DraftContext], givens: list[Draft], max_tokens: list[int]
     ) -> list[Draft]:
-        if not self._one_forward(ctxs):
+        if not self._draft_together(ctxs):
             return super().fill_rows(drafters, ctxs, givens, max_tokens)
         return self._fill_together(drafters, ctxs, givens, max_tokens)
 
-    def _one_forward(self, ctxs: list[DraftContext]) -> bool:
-        """Whether rows draft together: with one denoising pass, the rows of a batch share one forward of the block
-        model (the choice of tokens stays per row, in row order, so a sampled batch draws as row-by-row drafting)."""
-        passes = {self.steps if ctx.steps is None else min(ctx.steps, self.steps) for ctx in ctxs}
-        return len(ctxs) > 1 and passes == {1}
+    def _passes(self, ctx: DraftContext) -> int:
+        return self.steps if ctx.steps is None else min(ctx.steps, self.steps)
+
+    def _draft_together(self, ctxs: list[DraftContext]) -> bool:
+        """Whether rows draft together: rows taking the same number of denoising passes share each pass's forward
+        of the block model (the choice of tokens stays per row, in row order, so a sampled batch draws as row-by-row
+        drafting)."""
+        return len(ctxs) > 1 and len({self._passes(ctx) for ctx in ctxs}) == 1
 
     @torch.inference_mode()
     def _fill_together(
         self, drafters: list[Drafter], ctxs: list[DraftContext], givens: list[Draft], max_tokens: list[int]
     ) -> list[Draft]:
+        """Each row's block (its first positions `givens`), denoised by `_passes` passes, each one forward of every
+        row: a pass fixes each row's first masked position and the confident masked run after it."""
         starts = [drafter._start(ctx, given) for drafter, ctx, given in zip(drafters, ctxs, givens)]
-        logits = self.block_logits_rows(ctxs, torch.stack([s[0] for s in starts]), torch.stack([s[1] for s in starts]))
+        blocks, knowns = torch.stack([s[0] for s in starts]), torch.stack([s[1] for s in starts])
+        confidences = [s[2] for s in starts]
+        steps, block_context = self._passes(ctxs[0]), self._block_context(ctxs, blocks.shape[1])
+        for step in range(steps):
+            logits = self._block_logits(ctxs, block_context, blocks, knowns)
+            if step == steps - 1 or not bool((~knowns[:, 1:]).any()):
+                break
+            for row_logits, block, known, confidence in zip(logits, blocks, knowns, confidences):
+                self._fix_leading_run(row_logits, block, known, confidence)
         return [
-            drafter._choose(ctx, row_logits, *start, given, k)
-            for drafter, ctx, row_logits, start, given, k in zip(drafters, ctxs, logits, starts, givens, max_tokens)
+            drafter._choose(ctx, row_logits, block, known, confidence, given, k)
+            for drafter, ctx, row_logits, block, known, confidence, given, k in zip(
+                drafters, ctxs, logits, blocks, knowns, confidences, givens, max_tokens
+            )
         ]
 
-    @torch.inference_mode()
+    def _fix_leading_run(
+        self, logits: torch.Tensor, block: torch.Tensor, known: torch.Tensor, given_confidence: torch.Tensor
+    ) -> None:
+        """Fix, in place, the block's first masked position and the run of masked positions after it whose
+        confidence is >= `threshold`, to their most likely tokens (nothing if none is masked)."""
+        masked = ~known[1:]
+        if not bool(masked.any()):
+            return
+        confidence, best = torch.softmax(logits, -1).max(-1)
+        first = int(masked.nonzero()[0])
+        run = first + 1
+        while run < self.block_size - 1 and bool(masked[run]) and float(confidence[run]) >= self.threshold:
+            run += 1
+        block[1 + first : 1 + run] = self.model.draft_vocab[best[first:run]].to(block.dtype)
+        known[1 + first : 1 + run] = True
+        given_confidence[first:run] = confidence[first:run].cpu()
+
     def fill(self, ctx: DraftContext, given: Draft, max_tokens: int) -> Draft:
-        block, known, given_confidence = self._start(ctx, given)
-        size = self.block_size
-        steps = self.steps if ctx.steps is None else min(ctx.steps, self.steps)
-        for step in range(steps):
-            logits = self.block_logits(ctx, block, known)
-            masked = ~known[1:]
-            if step == steps - 1 or not bool(masked.any()):
-                break
-            confidence, best = torch.softmax(logits, -1).max(-1)
-            first = int(masked.nonzero()[0])
-            run = first + 1  # fix the first masked position and the confident masked run after it
-            while run < size - 1 and bool(masked[run]) and float(confidence[run]) >= self.threshold:
-                run += 1
-            block[1 + first : 1 + run] = self.model.draft_vocab[best[first:run]].to(block.dtype)
-            known[1 + first : 1 + run] = True
-            given_confidence[first:run] = confidence[first:run].cpu()
-        return self._choose(ctx, logits, block, known, given_confidence, given, max_tokens)
+        return self._fill_together([self], [ctx], [given], [max_tokens])[0]
 
     def _choose(self, ctx, logits, block, known, given_confidence, given, max_tokens) -> Draft:
         """Tokens for the first `max_tokens` draft positions: known ones as they are (the given ones with their

@@ -131,11 +131,11 @@ class CostAwareScheduler(_Calibrated):
     times, per batch size; draft cost is the mean measured seconds of a step of this many rows drafting with the
     stages that ran.
 
-    Two corrections scale every expected accepted token. `call_factor`: the calibration is pooled over every call,
-    and a call's own drafted steps tell how far its text copies more or less than that. `batch_worth`: v_r counts
-    what rows accept as if each token shortened the call by its weight, but rows level at the start of a call
-    advance unevenly and the call is shortened only where every row still behind advances, so calls of several rows
-    save fewer steps than their weighted tokens say; how many fewer is counted (not timed) from the calls before.
+    Two corrections scale the calibration's expected accepted tokens. `call_factor`: the calibration is pooled over
+    every call, and a call's own drafted steps tell how far its text copies more or less than that. `batch_worth`: v_r
+    counts what rows accept as if each token shortened the call by its weight, but rows level at the start of a call
+    advance unevenly and the call is shortened only where every row still behind advances, so calls of several rows save
+    fewer steps than their weighted tokens say; how many fewer is counted (not timed) from the calls before.
 
     Before drafting it picks how many of the drafter's stages run (`drafting_stages`; a `ChainDrafter`'s sources,
     cheapest first): the n maximising Σ_r v_r (1 + T_n) / (D_n + verify cost(rows, width(W_n))), with T_n the mean
@@ -144,14 +144,16 @@ class CostAwareScheduler(_Calibrated):
     stages' nor change which of those are accepted (`Draft.stage`). T_n, W_n and D_n are kept per batch size (a wider
     batch verifies less of each row and pays more per drafter forward); a batch size not seen yet starts from the
     nearest one seen, D_n scaled by the rows. D_n is 0 for no stage; one never run counts as free, so it gets tried.
+    T_n is a moving mean of recent steps, so the text of this call is in it already: only `batch_worth` scales it
+    (scaled by `call_factor` too, a call whose first steps copied little would count that twice and stop drafting).
 
-    Estimates are only corrected where they are tried, so a choice the estimates say loses (every stage when fewer
-    win, a positive width when declining wins) is still taken now and then, paid from a credit of EXPLORE_SHARE / r
-    of the seconds of every step so far at the same batch size of r rows: exploring costs what the estimates say it
-    loses (the seconds more than the best choice would take for the same tokens), so where it is dear (a wide batch)
-    it is rare, and a batch size runs at most EXPLORE_SHARE / r slower than its estimates' best. What a long run at
-    batch 1 saved is not spent on a batch of 8, where one probe costs several cheap steps; and a batch, whose drafts
-    gain a few percent where they gain at all, keeps almost all of that.
+    Estimates are only corrected where they are tried, so a choice the estimates say loses (the next stage up when fewer
+    win, a positive width when declining wins) is still taken now and then, paid from a credit of EXPLORE_SHARE / r of
+    the seconds of every step so far at the same batch size of r rows: exploring costs what the estimates say it loses
+    (the seconds more than the best choice would take for the same tokens), so where it is dear (a wide batch) it is
+    rare, and a batch size runs at most EXPLORE_SHARE / r slower than its estimates' best. What a long run at batch 1
+    saved is not spent on a batch of 8, where one probe costs several cheap steps; and a batch, whose drafts gain a few
+    percent where they gain at all, keeps almost all of that.
 
     For a multi-step drafter it also picks the number of denoising passes: each is tried for `STEP_TRIALS` steps,
     then the one with the best measured tokens per second is used, and the runner-up is retried every
@@ -252,8 +254,8 @@ class CostAwareScheduler(_Calibrated):
         return min(max((realized + self.SAVED_PRIOR) / (estimated + self.SAVED_PRIOR), 0.0), 1.0)
 
     def token_factor(self) -> float:
-        """What one accepted token the calibration or a stage's record expects counts as in this call's estimates:
-        its own correction times what a token is worth to a batch of its size."""
+        """What one accepted token the calibration expects counts as in this call's estimates: the call's own
+        correction times what a token is worth to a batch of its size."""
         return self.call_factor() * self.batch_worth()
 
     def _row_weights(self, rows: int) -> list[float]:
@@ -273,8 +275,10 @@ class CostAwareScheduler(_Calibrated):
     def drafting_stages(self, rows: int) -> int:
         options = self.expected_stage_steps(rows)
         best = max(reversed(range(len(options))), key=lambda n: _rate(options[n]))  # a tie: more stages, measured
-        if self.ALL_STAGES or (best < self.num_stages and self._explore(rows, options[best], options[-1])):
+        if self.ALL_STAGES:
             best = self.num_stages
+        elif best < self.num_stages and self._explore(rows, options[best], options[best + 1]):
+            best += 1  # the next stage up: the cheapest probe, and a declined stage's estimate is only corrected by it
         self._stages = best
         return best
 
@@ -283,7 +287,7 @@ class CostAwareScheduler(_Calibrated):
         n = 0..all."""
         gain = self._gain(rows)
         worth = sum(self._row_weights(rows))
-        factor = self.token_factor()
+        factor = self.batch_worth()  # T_n is measured on recent steps: this call's text is in it already
         return [
             (
                 worth * (1 + factor * tokens),

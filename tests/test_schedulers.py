@@ -516,6 +516,33 @@ def test_a_scheduler_starts_from_the_shipped_prior_for_its_pair(tmp_path, monkey
         CostAwareScheduler(costs=FLAT).reset(drafter, model)
 
 
+def test_a_declined_stage_is_probed_by_the_next_stage_up():
+    """Three stages whose nodes were never accepted: declining wins. A probe paid from the credit runs the lookup
+    alone (the cheapest, and the only one whose estimate a declined step leaves stale), not every stage; where the
+    lookup wins, the probe adds the second stage."""
+    s = CostAwareScheduler(costs={1: 1.0, 17: 5.0})
+    s.reset(ChainDrafter([PromptLookupDrafter(max_draft_len=4), _Counting(), _Counting()]))
+    s._stage_gain[1] = [[1, 0.0, 1.0], [100, 0.0, 3.0], [100, 0.0, 5.0], [100, 0.0, 7.0]]
+    assert s.drafting_stages(1) == 0  # no credit yet
+    s._credit[1] = 10.0
+    assert s.drafting_stages(1) == 1 and s._credit[1] == pytest.approx(10.0 - 0.5)  # verifying 3 wide loses 0.5 s
+    s._stage_gain[1] = [[1, 0.0, 1.0], [100, 2.0, 3.0], [100, 2.0, 5.0], [100, 2.0, 7.0]]
+    assert s.expected_stage_rates(1) == pytest.approx([1.0, 2.0, 1.5, 1.2])
+    assert s.drafting_stages(1) == 2
+
+
+def test_stage_estimates_are_not_scaled_by_the_calls_correction():
+    """A stage's T_n is measured on the recent steps, this call's among them: the call's correction of the
+    calibration (here 0.5, its steps accepting a tenth of what was predicted) scales what a draft is predicted to
+    accept, not what the stages measured."""
+    s = CostAwareScheduler(costs={1: 1.0, 17: 5.0})
+    s.reset(ChainDrafter([PromptLookupDrafter(max_draft_len=4), _Counting()]))
+    s._stage_gain[1] = [[1, 0.0, 1.0], [100, 2.0, 3.0], [100, 2.5, 5.0]]
+    before = s.expected_stage_rates(1)
+    s._call_predicted, s._call_accepted = 100.0, 10.0
+    assert s.call_factor() == 0.5 and s.expected_stage_rates(1) == pytest.approx(before)
+
+
 def test_a_stage_chosen_on_another_batch_sizes_estimate_is_corrected_by_its_own_steps():
     """Batch 1 learned that the lookup pays (its 2 nodes accepted); at batch 4 nothing it drafts is accepted. Steps
     that run the lookup alone measure it, so within a few steps batch 4 stops drafting (it would otherwise go on
