@@ -155,9 +155,9 @@ class CostAwareScheduler(_Calibrated):
     saved is not spent on a batch of 8, where one probe costs several cheap steps; and a batch, whose drafts gain a few
     percent where they gain at all, keeps almost all of that.
 
-    For a multi-step drafter it also picks the number of denoising passes: each is tried for `STEP_TRIALS` steps,
-    then the one with the best measured tokens per second is used, and the runner-up is retried every
-    `STEP_EXPLORE` steps (more passes cost drafter time and pay only if they raise acceptance, which only
+    For a multi-step drafter it also picks the number of denoising passes, per batch size: each is tried for
+    `STEP_TRIALS` steps, then the one with the best measured tokens per second is used, and the runner-up is retried
+    every `STEP_EXPLORE` steps (more passes cost drafter time and pay only if they raise acceptance, which only
     measurement can tell).
     """
 
@@ -175,7 +175,7 @@ class CostAwareScheduler(_Calibrated):
     def __init__(self, calibration: str | None = None, costs: dict[int, float] | None = None, prior: bool = True):
         super().__init__(calibration, prior)
         self.verify_costs = VerifyCostModel(costs) if costs is not None else None
-        self._chosen_steps, self._step_count = 1, 0
+        self._chosen_steps = 1
 
     def reset(self, drafter, model=None) -> None:
         super().reset(drafter, model)
@@ -192,7 +192,8 @@ class CostAwareScheduler(_Calibrated):
         self._call_worth = 0.0  # the steps its accepted tokens were estimated to save (weighted as `set_rows` says)
 
     def start_pair(self, prior: dict | None) -> None:
-        self._step_stats = {s: [0, 0.0] for s in range(1, self.max_steps + 1)}  # passes -> [steps, tokens per s]
+        self._step_stats: dict[int, dict[int, list]] = {}  # rows -> passes -> [steps, tokens per s]
+        self._step_count: dict[int, int] = {}  # rows -> steps that chose passes from measurements
         # rows -> n stages -> [steps, accepted tokens per row, verify width] of the nodes of the first n stages
         self._stage_gain: dict[int, list[list[float]]] = {1: self._no_gain()}
         if prior is not None and len(prior["stage_tokens"]) == self.num_stages + 1:
@@ -262,15 +263,22 @@ class CostAwareScheduler(_Calibrated):
         return self._weights if len(self._weights) == rows else [1.0] * rows
 
     def denoising_steps(self) -> int:
-        untried = [s for s, (n, _) in self._step_stats.items() if n < self.STEP_TRIALS]
+        rows = len(self._weights) or 1  # `set_rows` has named this step's rows
+        stats = self._passes_stats(rows)
+        untried = [s for s, (n, _) in stats.items() if n < self.STEP_TRIALS]
         if untried:
             self._chosen_steps = untried[0]
         else:
-            ranked = sorted(self._step_stats, key=lambda s: -self._step_stats[s][1])
-            self._step_count += 1
-            explore = len(ranked) > 1 and self._step_count % self.STEP_EXPLORE == 0
+            ranked = sorted(stats, key=lambda s: -stats[s][1])
+            self._step_count[rows] = self._step_count.get(rows, 0) + 1
+            explore = len(ranked) > 1 and self._step_count[rows] % self.STEP_EXPLORE == 0
             self._chosen_steps = ranked[1] if explore else ranked[0]
         return self._chosen_steps
+
+    def _passes_stats(self, rows: int) -> dict[int, list]:
+        """passes -> [steps, tokens per second] at this batch size: a batch's tokens per second is not a single
+        row's, and its drafter forward and verify cost other shares of its step."""
+        return self._step_stats.setdefault(rows, {s: [0, 0.0] for s in range(1, self.max_steps + 1)})
 
     def drafting_stages(self, rows: int) -> int:
         options = self.expected_stage_steps(rows)
@@ -401,7 +409,7 @@ class CostAwareScheduler(_Calibrated):
         earned = self.EXPLORE_SHARE / rows * (sum(draft_times) + verify_time)
         self._credit[rows] = self._credit.get(rows, 0.0) + earned
         if self._stages == self.num_stages:  # passes are compared on steps that ran every stage
-            self._observe_steps(sum(map(len, accepted)) + rows, sum(draft_times) + verify_time)
+            self._observe_steps(rows, sum(map(len, accepted)) + rows, sum(draft_times) + verify_time)
 
     def _observe_stages(self, drafts: list[Draft], accepted: list[list[int]], draft_seconds: float) -> None:
         """Fold one step into T_n and W_n for every n up to the stages that ran, and into D of those stages, at this
@@ -421,9 +429,9 @@ class CostAwareScheduler(_Calibrated):
             width = 1 + max(sum(s < n for s in stage) for stage in stages)
             _fold(gain[n], tokens, width, moving=self.MOVING)
 
-    def _observe_steps(self, tokens: float, seconds: float) -> None:
-        """Fold one step's emitted tokens per second into the statistics of the passes it used."""
-        stats = self._step_stats.get(self._chosen_steps)
+    def _observe_steps(self, rows: int, tokens: float, seconds: float) -> None:
+        """Fold one step's emitted tokens per second into the statistics of the passes it used at its batch size."""
+        stats = self._passes_stats(rows).get(self._chosen_steps)
         if stats is None or seconds <= 0:
             return
         stats[0] += 1

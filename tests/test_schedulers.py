@@ -188,6 +188,23 @@ def test_cost_aware_tries_each_number_of_passes_then_keeps_the_fastest():
     assert {one_pass.denoising_steps() for _ in range(20)} == {1}
 
 
+def test_each_batch_size_chooses_its_own_passes():
+    """A batch's tokens per second is not a row's, and its drafter forwards cost other shares of its step: passes
+    are tried and ranked per batch size. Here two pay at batch 1, one at batch 4."""
+    s = CostAwareScheduler(costs={1: 1.0, 4: 1.0, 17: 5.0})
+    s.reset(_StepsDrafter(max_draft_len=4))
+    rate = {1: {1: 2.0, 2: 3.0, 3: 1.0}, 4: {1: 8.0, 2: 4.0, 3: 4.0}}
+    chosen = {1: [], 4: []}
+    for _ in range(3 * s.STEP_TRIALS + 1):
+        for rows in (1, 4):
+            s.set_rows([1.0] * rows)
+            steps = s.denoising_steps()
+            chosen[rows].append(steps)
+            s.update_batch([draft(2)] * rows, [[0]] * rows, [0.0] * rows, 2 * rows / rate[rows][steps])
+    for rows, best in ((1, 2), (4, 1)):
+        assert chosen[rows] == [1] * s.STEP_TRIALS + [2] * s.STEP_TRIALS + [3] * s.STEP_TRIALS + [best]
+
+
 def test_fixed_scheduler_steps_are_checked_against_the_drafter():
     with pytest.raises(ValueError, match=r"steps=0 must be a positive int"):
         FixedScheduler(2, steps=0)
