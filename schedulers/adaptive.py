@@ -138,12 +138,14 @@ class CostAwareScheduler(_Calibrated):
     fewer steps than their weighted tokens say; how many fewer is counted (not timed) from the calls before.
 
     Before drafting it picks how many of the drafter's stages run (`drafting_stages`; a `ChainDrafter`'s sources,
-    cheapest first): the n maximising Σ_r v_r (1 + T_n) / (D_n + verify cost(rows, width(W_n))), with T_n the mean
-    accepted tokens per row the first n stages' nodes bring (weighted by v_r) and W_n the mean widest verify they
-    need. Both are known for every n up to the stages that ran, since a stage's nodes never parent the earlier
-    stages' nor change which of those are accepted (`Draft.stage`). T_n, W_n and D_n are kept per batch size (a wider
-    batch verifies less of each row and pays more per drafter forward); a batch size not seen yet starts from the
-    nearest one seen, D_n scaled by the rows. D_n is 0 for no stage; one never run counts as free, so it gets tried.
+    cheapest first): the n maximising Σ_r v_r (1 + T_n) / (D_n + V_n), with T_n the mean accepted tokens per row the
+    first n stages' nodes bring (weighted by v_r) and V_n the mean cost of the verifies they need (each step's widest
+    row costed at its width: a mean of costs, not the cost of the mean width W_n, which a lookup's far-apart widths
+    and the concave cost of a verify would make dearer than its steps were; V_n falls back to that where not yet
+    measured). They are known for every n up to the stages that ran, since a stage's nodes never parent the earlier
+    stages' nor change which of those are accepted (`Draft.stage`). T_n, V_n, W_n and D_n are kept per batch size (a
+    wider batch verifies less of each row and pays more per drafter forward); a batch size not seen yet starts from
+    the nearest one seen, D_n scaled by the rows. D_n is 0 for no stage; one never run counts as free, so it gets tried.
     T_n is a moving mean of recent steps, so the text of this call is in it already: only `batch_worth` scales it
     (scaled by `call_factor` too, a call whose first steps copied little would count that twice and stop drafting).
 
@@ -200,6 +202,7 @@ class CostAwareScheduler(_Calibrated):
             for n, (tokens, width) in enumerate(zip(prior["stage_tokens"], prior["stage_width"])):
                 self._stage_gain[1][n] = [self.PRIOR_STEPS, tokens, width]
         self._draft_cost: dict[int, list[list[float]]] = {}  # rows -> n stages -> [steps, seconds]
+        self._stage_verify: dict[int, list[list[float]]] = {}  # rows -> n stages -> [steps, verify seconds]
         self._credit: dict[int, float] = {}  # rows -> seconds exploration may still lose at that batch size
         self._weights: list[float] = []  # what a token of each row of this step is worth (`set_rows`)
         self._saved: dict[int, list[float]] = {}  # rows -> [steps calls saved, steps estimated], decayed sums
@@ -297,15 +300,23 @@ class CostAwareScheduler(_Calibrated):
         worth = sum(self._row_weights(rows))
         factor = self.batch_worth()  # T_n is measured on recent steps: this call's text is in it already
         return [
-            (
-                worth * (1 + factor * tokens),
-                self._draft_seconds(rows, n) + self._verify_seconds(rows, max(1, round(width))),
-            )
+            (worth * (1 + factor * tokens), self._draft_seconds(rows, n) + self._stage_verify_seconds(rows, n, width))
             for n, (_, tokens, width) in enumerate(gain)
         ]
 
+    def _stage_verify_seconds(self, rows: int, n: int, width: float) -> float:
+        """The mean verify seconds of steps of `rows` rows that ran n stages, each costed at the width of the first n
+        stages' nodes it verified; where none was measured, the cost at the mean width. The widths a lookup's steps
+        verify are far apart (1 where nothing matched, 16 where a passage repeats), and a verify's cost is concave
+        in its width: costed at the mean width, such a stage looks dearer than its steps were."""
+        measured = self._stage_verify.get(rows)
+        if measured is not None and measured[n][0]:
+            return measured[n][1]
+        return self._verify_seconds(rows, max(1, round(width)))
+
     def expected_stage_rates(self, rows: int) -> list[float]:
-        """Expected emitted tokens per second of a step of `rows` rows that drafts with the first n stages, n = 0..all."""
+        """Expected emitted tokens per second of a step of `rows` rows that drafts with the first n stages,
+        n = 0..all."""
         return [_rate(option) for option in self.expected_stage_steps(rows)]
 
     def select(self, draft: Draft) -> int:
@@ -421,6 +432,7 @@ class CostAwareScheduler(_Calibrated):
         # A step that ran n stages measures T_m and W_m for every m <= n: the option chosen is always corrected by
         # its outcome (an estimate only stages that were not run could correct would lock a losing choice in).
         gain = self._stage_gain.setdefault(rows, self._no_gain())
+        verify = self._stage_verify.setdefault(rows, [[0, 0.0] for _ in range(self.num_stages + 1)])
         stages = [draft.stage_list() for draft in drafts]
         weights = self._row_weights(rows)
         for n in range(1, self._stages + 1):
@@ -428,6 +440,7 @@ class CostAwareScheduler(_Calibrated):
             tokens = sum(w * k for w, k in zip(weights, kept)) / sum(weights)  # the rows finishing last count most
             width = 1 + max(sum(s < n for s in stage) for stage in stages)
             _fold(gain[n], tokens, width, moving=self.MOVING)
+            _fold(verify[n], self._verify_seconds(rows, width), moving=self.MOVING)
 
     def _observe_steps(self, rows: int, tokens: float, seconds: float) -> None:
         """Fold one step's emitted tokens per second into the statistics of the passes it used at its batch size."""

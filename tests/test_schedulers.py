@@ -424,6 +424,7 @@ def test_cost_aware_learns_what_each_stage_adds_from_the_nodes_it_proposed():
     s.reset(chain)
     assert s.drafting_stages(1) == 2  # nothing known: a tie, which goes to running every stage
     s.update_batch([staged(2, 3)], [[0, 1, 2]], [0.5], 1.0)
+    verified_then = s.verify_costs.step_cost(1, 6)  # what that verify was costed at when it ran
     entry = s.prior_entry()
     assert entry["stage_tokens"] == [0.0, 2.0, 3.0] and entry["stage_width"] == [1.0, 3.0, 6.0]
     # Two rows, the second with nothing to copy: per row, the lookup brings 1 token, both stages 2.5; the widest row
@@ -436,7 +437,21 @@ def test_cost_aware_learns_what_each_stage_adds_from_the_nodes_it_proposed():
     assert rates == pytest.approx([2 / cost(2, 1), 2 * (1 + 1.0) / cost(2, 3), 2 * (1 + 2.5) / (0.5 + cost(2, 6))])
     # A batch of 3 starts from the nearest batch size seen (2), its drafting scaled by the rows.
     assert s.expected_stage_rates(3)[2] == pytest.approx(3 * (1 + 2.5) / (0.75 + cost(3, 6)))
-    assert s.expected_stage_rates(1)[2] == pytest.approx((1 + 3.0) / (0.5 + cost(1, 6)))
+    assert s.expected_stage_rates(1)[2] == pytest.approx((1 + 3.0) / (0.5 + verified_then))
+
+
+def test_a_stage_is_costed_at_the_mean_of_its_verifies_not_at_its_mean_width():
+    """A lookup whose steps verify 1 position (nothing matched) or 17 (a repeated passage, 2 accepted), half the time
+    each, with a verify costing 1 s at width 1, 2 s at 2 and 2.5 s at 17: its steps took (1 + 2.5) / 2 = 1.75 s for
+    2 tokens, faster than declining (1 token in 1 s). Costed at its mean width (9: 2.23 s) it would look slower
+    (0.9 tokens/s) and be dropped."""
+    s = CostAwareScheduler(costs={1: 1.0, 2: 2.0, 17: 2.5})
+    s.reset(PromptLookupDrafter(max_draft_len=16))
+    for i in range(200):
+        nodes = 16 * (i % 2)
+        s.update_batch([draft(nodes)], [list(range(min(nodes, 2)))], [0.0], s.verify_costs.cost(1 + nodes))
+    assert s._gain(1)[1][2] == pytest.approx(9, rel=0.05)  # the mean width
+    assert s.expected_stage_rates(1)[1] == pytest.approx(2 / 1.75, rel=0.05) and s.drafting_stages(1) == 1
 
 
 def test_cost_aware_drops_a_stage_whose_forward_does_not_pay_and_keeps_probing_it():
