@@ -119,7 +119,7 @@ def test_context_rows_follow_a_rollback(world):
 
 @pytest.mark.parametrize("static,passes", [(False, 1), (True, 1), (False, 3), (True, 3)])
 def test_rows_drafted_together_equal_rows_drafted_alone(world, static, passes):
-    """propose_rows runs one forward of the block model for all rows of a batch, one a denoising pass (contexts of
+    """propose_rows runs one forward of the block model for all rows of a batch, one per denoising pass (contexts of
     different lengths, masked per row; on the static path every slot, masked): the same logits, drafts and
     confidences as proposing row by row on the dynamic path, where a row's context is exactly its own slots."""
     verifier, _, store = world
