@@ -29,9 +29,14 @@ class ChainDrafter(Drafter):
     their confidences): where the earlier sources' tokens are wrong, the last one's own guess is verified beside
     them. Trees verify under the match rule only, so under `acceptance="rejection"` (ctx.do_sample) there is no
     branch.
+
+    With `refill_below = c > 0`, a source that runs after others continues their draft from before its first node of
+    confidence < c (a store token few of the verifier's answers continued that way), where that leaves it room: the
+    later source redrafts the unsure tail, reading what came before it. A row drafted by the earlier sources alone
+    keeps their whole draft.
     """
 
-    def __init__(self, sources: list[Drafter], branch: int = 0):
+    def __init__(self, sources: list[Drafter], branch: int = 0, refill_below: float = 0.0):
         sources = tuple(sources)
         if not sources or not all(isinstance(s, Drafter) for s in sources):
             raise TypeError(f"ChainDrafter takes a non-empty list of drafters.Drafter, got {sources!r}")
@@ -39,7 +44,9 @@ class ChainDrafter(Drafter):
             raise ValueError(f"branch must be an int >= 0 (0: no branch), got {branch!r}")
         if branch and len(sources) < 2:
             raise ValueError("branch > 0 needs two sources or more: the last one branches off the draft of the others")
-        self.sources, self.branch = sources, branch
+        if isinstance(refill_below, bool) or not isinstance(refill_below, (int, float)) or not 0 <= refill_below <= 1:
+            raise ValueError(f"refill_below must be a confidence in [0, 1] (0: never refill), got {refill_below!r}")
+        self.sources, self.branch, self.refill_below = sources, branch, float(refill_below)
         vocab_sizes = {s.vocab_size for s in sources if s.vocab_size is not None}
         layers = {tuple(s.hidden_layers) for s in sources if s.hidden_layers}
         if len(vocab_sizes) > 1:
@@ -55,9 +62,11 @@ class ChainDrafter(Drafter):
         self.max_nodes = max(s.node_budget for s in sources) if trees else None
         self.max_steps = max(s.max_steps for s in sources)
         # Schedulers keep acceptance statistics per drafter: other sources, or other settings of one, are another.
-        self.fingerprint = " + ".join(
-            f"{type(s).__name__}:{s.max_draft_len}:{getattr(s, 'fingerprint', '')}" for s in sources
-        ) + (f" | branch {branch}" if branch else "")
+        self.fingerprint = (
+            " + ".join(f"{type(s).__name__}:{s.max_draft_len}:{getattr(s, 'fingerprint', '')}" for s in sources)
+            + (f" | branch {branch}" if branch else "")
+            + (f" | refill below {refill_below:g}" if refill_below else "")
+        )
 
     @property
     def stages(self) -> tuple[Drafter, ...]:
@@ -72,7 +81,7 @@ class ChainDrafter(Drafter):
             source.finish(ctx)
 
     def fork(self) -> ChainDrafter:
-        return ChainDrafter([source.fork() for source in self.sources], self.branch)
+        return ChainDrafter([source.fork() for source in self.sources], self.branch, self.refill_below)
 
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
         return self.propose_rows([self], [ctx], [max_tokens])[0]
@@ -81,13 +90,15 @@ class ChainDrafter(Drafter):
         drafts = [Draft.empty(ctx.input_ids.device) for ctx in ctxs]
         for i, source in enumerate(self.sources):
             reach = [min(k, source.node_budget) for k in max_tokens]
+            runs = [ctx.stages is None or i < ctx.stages for ctx in ctxs]
+            if i and self.refill_below:
+                depth = [min(k, source.max_draft_len) for k in max_tokens]
+                drafts = [self._unsure_tail_cut(d, n) if run else d for d, n, run in zip(drafts, depth, runs)]
             # A source continues a draft shallower than its reach, up to its node budget.
             rows = [
                 r
                 for r, draft in enumerate(drafts)
-                if (ctxs[r].stages is None or i < ctxs[r].stages)
-                and len(draft) < reach[r]
-                and draft.depth() < min(max_tokens[r], source.max_draft_len)
+                if runs[r] and len(draft) < reach[r] and draft.depth() < min(max_tokens[r], source.max_draft_len)
             ]
             if rows:
                 filled = source.fill_rows(
@@ -99,6 +110,14 @@ class ChainDrafter(Drafter):
                 for r, draft in zip(rows, filled):
                     drafts[r] = with_stage(draft, drafts[r], i)
         return self._branch(drafters, ctxs, drafts, max_tokens) if self.branch else drafts
+
+    def _unsure_tail_cut(self, draft: Draft, depth: int) -> Draft:
+        """A chain `draft` cut before its first node of confidence < `refill_below`, where the cut leaves it shallower
+        than `depth` (the next source's reach); otherwise `draft`."""
+        if draft.confidence is None or not draft.is_chain:
+            return draft
+        sure = int((draft.confidence >= self.refill_below).cumprod(0).sum())
+        return draft.truncate(sure) if sure < min(depth, len(draft)) else draft
 
     def _branch(
         self, drafters: list[Drafter], ctxs: list[DraftContext], drafts: list[Draft], max_tokens: list[int]

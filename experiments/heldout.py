@@ -17,8 +17,9 @@ from the same folder, so that its held-out answers are these).
 `--fill` also scores each block checkpoint in the default's chain: prompt lookup (continued by the store with
 `--ngram-store`) proposes the block's first positions, the model fills the rest reading them as known; with
 `--branch`, also with the model's own first k tokens verified beside that chain (`drafters.ChainDrafter`'s branch);
-with `--store-cut`, also with the lookup's draft cut before its first token of lower confidence (the store's share
-of it), so the block model fills where the store is unsure.
+with `--refill-below`, also with the model redrafting the lookup's draft from its first token of lower confidence
+(the store's share of it), as `drafters.ChainDrafter`'s refill_below does, so the block model fills where the store
+is unsure.
 `--reveal` also prints each block checkpoint's teacher-forced accuracy by position with the true tokens of the
 first 0, 1, 2, 3 positions given, which shows whether the model reads known block tokens.
 """
@@ -169,10 +170,10 @@ def main(argv=None) -> None:
         "of this list, e.g. 0,1,2 (drafters.ChainDrafter's branch; every node of the tree verified)",
     )
     parser.add_argument(
-        "--store-cut",
+        "--refill-below",
         default="0",
         help="with --fill, also the chain with the lookup's draft ending before its first token of confidence below "
-        "each share of this list, e.g. 0,0.3 (the block model fills from there)",
+        "each share of this list, e.g. 0,0.3, the block model filling from there (drafters.ChainDrafter's refill_below)",
     )
     parser.add_argument(
         "--reveal", action="store_true", help="also the teacher-forced accuracy with the first 0-3 true tokens given"
@@ -198,11 +199,11 @@ def main(argv=None) -> None:
     passes, lookups = int_list(parser, "--passes", args.passes), int_list(parser, "--lookup", args.lookup)
     branches = int_list(parser, "--branch", args.branch, least=0)
     try:
-        cuts = parse_numbers(args.store_cut, "--store-cut", float)
+        cuts = parse_numbers(args.refill_below, "--refill-below", float)
     except ValueError:
         cuts = []
     if not cuts or not all(0.0 <= c <= 1.0 for c in cuts):
-        parser.error(f"--store-cut {args.store_cut!r}: give shares in [0, 1], e.g. 0,0.3")
+        parser.error(f"--refill-below {args.refill_below!r}: give shares in [0, 1], e.g. 0,0.3")
     max_ngrams = int_list(parser, "--max-ngrams", args.max_ngrams)
     try:
         check_prefer_store(args.prefer_store, args.ngram_store)
@@ -267,13 +268,13 @@ def main(argv=None) -> None:
                     args.prefer_store,
                     p,
                     branch=k,
-                    store_cut=cut,
+                    refill_below=cut,
                 )
                 lookup = f"prompt lookup{match(m)}" + (" + n-gram store" if ngrams is not None else "")
                 if args.prefer_store is not None and ngrams is not None:
                     lookup += f" (preferred at share >= {args.prefer_store})"
                 if cut:
-                    lookup += f", cut before a token of confidence < {cut}"
+                    lookup += f", refilled from a token of confidence < {cut}"
                 name = f"{lookup}, then {path} fills the block, {p} pass{'es' if p > 1 else ''}"
                 if k:
                     name += f", its own first {k} token{'s' if k > 1 else ''} beside"

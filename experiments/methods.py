@@ -76,6 +76,8 @@ DRAFTERS: dict[str, DrafterEntry | None] = {
     # The default with the block model's own first 2 tokens verified beside the lookup's draft, and with none.
     "default-branch2": long_lookup_entry(lambda model, block: trained_drafters.default(model, block, branch=2)),
     "default-no-branch": long_lookup_entry(lambda model, block: trained_drafters.default(model, block, branch=0)),
+    # The default with the block model redrafting the lookup's draft from its first store token of share < 0.3.
+    "default-refill": long_lookup_entry(lambda model, block: trained_drafters.default(model, block, refill_below=0.3)),
     "default-trained": long_lookup_entry(
         lambda model, block: trained_drafters.default(model, block, trained_drafters.TRAINED_BLOCK_DIR)
     ),

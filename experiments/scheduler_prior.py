@@ -3,7 +3,7 @@
     python -m experiments.scheduler_prior --num-prompts 8 --max-new-tokens 256
 
 Decodes the dev prompts (experiments/prompts/dev.jsonl: ours, never an evaluation set) one at a time, greedily, with
-`hybrid.load_default()`'s verifier and drafter (`--branch` sets the drafter's branch) and a `CostAwareScheduler`
+`hybrid.load_default()`'s verifier and drafter (`--branch` and `--refill-below` set those of the drafter) and a `CostAwareScheduler`
 that starts uninformed and learns across them, as a process that has served those prompts would. Then it writes
 what holds on any machine (the acceptance counts, what each drafting stage adds; `CostAwareScheduler.prior_entry`)
 to `scheduler_prior.json` in the shipped drafter's checkpoint folder, where every calibrated scheduler for that
@@ -35,7 +35,7 @@ def learn_prior(model, drafter, prompts: list[torch.Tensor], max_new_tokens: int
 
 def main(argv=None):
     from experiments.datasets import load_prompts
-    from hybrid.default import DRAFTER_BRANCH, DRAFTER_DIR, default_drafter
+    from hybrid.default import DRAFTER_BRANCH, DRAFTER_DIR, DRAFTER_REFILL_BELOW, default_drafter
     from verifiers.embedded import load_verifier
     from verifiers.prompts import encode_prompt
 
@@ -49,11 +49,19 @@ def main(argv=None):
         default=DRAFTER_BRANCH,
         help="the default drafter with this branch (drafters.ChainDrafter; the file keeps one entry per drafter)",
     )
+    parser.add_argument(
+        "--refill-below",
+        type=float,
+        default=DRAFTER_REFILL_BELOW,
+        help="the default drafter with this refill_below (drafters.ChainDrafter; one entry per drafter)",
+    )
     args = parser.parse_args(argv)
     if args.branch < 0:
         parser.error(f"--branch {args.branch}: give 0 (no branch) or more")
+    if not 0 <= args.refill_below <= 1:
+        parser.error(f"--refill-below {args.refill_below}: give a share in [0, 1] (0: never refill)")
     model, tokenizer = load_verifier()
-    drafter = default_drafter(model, tokenizer, branch=args.branch)
+    drafter = default_drafter(model, tokenizer, branch=args.branch, refill_below=args.refill_below)
     prompts = [encode_prompt(tokenizer, prompt) for prompt in load_prompts("dev")[: args.num_prompts]]
     scheduler = learn_prior(model, drafter, prompts, args.max_new_tokens)
     entry = scheduler.prior_entry()

@@ -66,10 +66,11 @@ def default(
     block_dir: Path = DRAFTER_DIR,
     steps: int | None = None,
     branch: int | None = None,
+    refill_below: float | None = None,
 ) -> ChainDrafter:
     """`hybrid.load_default()`'s drafter (the block model, the longest context match up to 32 tokens and the store),
     proposing up to `drafted` tokens (16 by default); with `block_dir`, another block checkpoint in its place, with
-    `steps`, another most denoising passes, with `branch`, another branch (`drafters.ChainDrafter`)."""
+    `steps`, another most denoising passes, with `branch` or `refill_below`, another of those (`drafters.ChainDrafter`)."""
     if not (Path(block_dir) / "drafter_config.json").is_file():
         raise FileNotFoundError(
             f"no block drafter in {block_dir}: train one with `python -m drafters.training.train --out {block_dir}`"
@@ -82,6 +83,7 @@ def default(
         block_dir=block_dir,
         **({} if steps is None else {"steps": steps}),
         **({} if branch is None else {"branch": branch}),
+        **({} if refill_below is None else {"refill_below": refill_below}),
     )
 
 

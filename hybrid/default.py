@@ -38,6 +38,9 @@ DRAFTER_THRESHOLD = 0.9
 # The block model's own first tokens verified beside the lookup's draft, as a second path of a token tree
 # (`drafters.ChainDrafter`'s branch; 0: none).
 DRAFTER_BRANCH = 0
+# The block model redrafts the lookup's draft from before its first store token of share < DRAFTER_REFILL_BELOW, where
+# that leaves it room in the block (`drafters.ChainDrafter`'s refill_below; 0: never).
+DRAFTER_REFILL_BELOW = 0.0
 
 
 def shipped_block_size() -> int:
@@ -71,12 +74,14 @@ def default_drafter(
     block_dir=DRAFTER_DIR,
     steps: int = DRAFTER_STEPS,
     branch: int = DRAFTER_BRANCH,
+    refill_below: float = DRAFTER_REFILL_BELOW,
 ):
     """The shipped drafter for the default verifier `model`: the lookup settings above (a context match continued by
     the n-gram store, up to `lookup_tokens`), and where the lookup falls short of the block, the shipped block model
     (`block_size`: its trained size if None; another checkpoint for this verifier with `block_dir`) fills the block
     in, with up to `steps` denoising passes, and with `branch` > 0 its own first `branch` tokens are verified beside the
-    lookup's. The experiments pass a loaded `ngram_store`."""
+    lookup's; with `refill_below` > 0 it redrafts the lookup's draft from its first store token of a lower share. The
+    experiments pass a loaded `ngram_store`."""
     from drafters import BlockDiffusionDrafter, ChainDrafter, PromptLookupDrafter
 
     lookup = PromptLookupDrafter(
@@ -97,4 +102,4 @@ def default_drafter(
         steps=steps,
         threshold=DRAFTER_THRESHOLD,
     )
-    return ChainDrafter([lookup, block], branch=branch)
+    return ChainDrafter([lookup, block], branch=branch, refill_below=refill_below)

@@ -276,12 +276,14 @@ def random_block_drafter(
     prefer_store: float | None = None,
     masked_input: str = "anchor",
     branch: int = 0,
+    refill_below: float = 0.0,
     **kwargs,
 ):
     """A random-weight BlockDiffusionDrafter for `model` (`kwargs` are its own), its draft vocabulary a random subset
     of the verifier's, its masked positions reading `masked_input`. With `lookup_ngram` >= 1 or an `ngram_store`, the ChainDrafter of a PromptLookupDrafter
     (min_ngram=lookup_ngram, max_ngram=lookup_max_ngram, up to `lookup_tokens`, by default the block's) and it, the
-    block model branching off the lookup's draft with its own first `branch` tokens."""
+    block model branching off the lookup's draft with its own first `branch` tokens and redrafting it from its
+    first token of confidence < `refill_below`."""
     vocab = model.config.vocab_size
     size = vocab if draft_vocab_size is None else draft_vocab_size
     config = BlockDiffusionConfig.for_verifier(
@@ -304,7 +306,7 @@ def random_block_drafter(
         prefer_store=prefer_store,
         verifier=model,
     )
-    return ChainDrafter([lookup, block], branch=branch)
+    return ChainDrafter([lookup, block], branch=branch, refill_below=refill_below)
 
 
 def ngram_store_for(model, seed: int, own_answers: bool) -> NgramStore:
@@ -382,6 +384,7 @@ def drafters_for(draw, model, eos_token_id: int | None):
             prefer_store=draw(st.sampled_from([None, 0.5])) if store else None,
             masked_input=draw(st.sampled_from(MASKED_INPUTS)),
             branch=draw(st.sampled_from([0, 1, 3])) if lookup_ngram or store else 0,
+            refill_below=draw(st.sampled_from([0.0, 0.3, 1.0])) if lookup_ngram or store else 0.0,
         )
     return None
 

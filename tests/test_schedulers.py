@@ -387,6 +387,46 @@ def test_chain_drafter_runs_the_stages_asked_for_and_names_each_nodes_stage():
         check_draft(Draft(torch.zeros(3, dtype=torch.long), stage=torch.zeros(2, dtype=torch.long)), 3, 8, "x")
 
 
+class _Unsure(Drafter):
+    """Proposes tokens 7, 8, 9, 10 with confidences 0.9, 0.6, 0.2, 0.9."""
+
+    max_draft_len = 4
+
+    def propose(self, ctx, max_tokens):
+        return Draft(
+            torch.tensor([7, 8, 9, 10])[:max_tokens], confidence=torch.tensor([0.9, 0.6, 0.2, 0.9])[:max_tokens]
+        )
+
+
+class _Filling(Drafter):
+    """Continues any draft with token 1 up to its budget."""
+
+    max_draft_len = 4
+
+    def propose(self, ctx, max_tokens):
+        return Draft(torch.ones(max_tokens, dtype=torch.long))
+
+    def fill(self, ctx, given, max_tokens):
+        return Draft(torch.cat([given.tokens, torch.ones(max_tokens - len(given), dtype=torch.long)]))
+
+
+def test_a_later_stage_refills_an_earlier_ones_unsure_tail():
+    """With refill_below 0.5 the second stage continues the first's draft from before its first node of confidence
+    < 0.5 (9); a row drafted by the first stage alone, or asked for no more than the sure part, keeps its draft."""
+    ctx = DraftContext(torch.tensor([[1, 2, 3]]), False, LogitsProcessorList(), None, None)
+    chain = ChainDrafter([_Unsure(), _Filling()], refill_below=0.5)
+    assert chain.propose(ctx, 4).tokens.tolist() == [7, 8, 1, 1]
+    assert chain.propose(ctx, 4).stage_list() == [0, 0, 1, 1]
+    assert chain.propose(ctx, 2).tokens.tolist() == [7, 8]
+    assert ChainDrafter([_Unsure(), _Filling()]).propose(ctx, 4).tokens.tolist() == [7, 8, 9, 10]  # 0: never
+    assert chain.fork().refill_below == 0.5 and chain.fingerprint.endswith("| refill below 0.5")
+    ctx.stages = 1
+    assert chain.propose(ctx, 4).tokens.tolist() == [7, 8, 9, 10]
+    for bad in (-0.1, 1.5, "0.3", True):
+        with pytest.raises(ValueError, match="refill_below must be a confidence in"):
+            ChainDrafter([_Unsure(), _Filling()], refill_below=bad)
+
+
 def test_cost_aware_scales_a_calls_estimates_by_what_its_own_steps_accepted_against_them():
     """The calibration says 0.9 at every position (pooled over calls); this call's text accepts nothing. After one
     step that drafted 6 nodes (4.22 tokens predicted, 0 accepted) the call's correction is 8 / (8 + 4.22), its

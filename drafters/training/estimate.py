@@ -161,15 +161,15 @@ def lookup_fill_tau(
     passes: int = 1,
     chunk_size: int = 4,
     branch: int = 0,
-    store_cut: float = 0.0,
+    refill_below: float = 0.0,
 ) -> tuple[float, np.ndarray, float]:
     """The estimate for the default's chain: lookup (`lookup_tau`'s, min_ngram 1) gives the block's first positions,
     the block model, reading them as known, fills the rest with `passes` passes. With `branch` k > 0, the block
     model's own first k tokens (from the anchor alone) are verified beside that chain, as a second path of a tree
     (`drafters.ChainDrafter`'s branch): an anchor accepts the longer of the two, every node verified. With
-    `store_cut` > 0 the lookup's draft ends before its first token of lower confidence (a store token's share), and
-    the block model fills from there. Returns tau, acceptance by position, and the share of anchors where the block
-    model drafted anything (the lookup left room)."""
+    `refill_below` > 0 the lookup's draft ends before its first token of lower confidence (a store token's share),
+    and the block model fills from there (`drafters.ChainDrafter`'s refill_below). Returns tau, acceptance by
+    position, and the share of anchors where the block model drafted anything (the lookup left room)."""
     model.eval()
     lengths, filled = [], 0
     for chunk, batch in anchor_block_batches(store, anchors, block_size, vmap, "cpu", chunk_size):
@@ -178,7 +178,7 @@ def lookup_fill_tau(
             ids = torch.from_numpy(store.sequence(i)["ids"].astype(np.int64))
             for j, a in enumerate(chosen):
                 draft, confidence = lookup_draft(ids[: a + 1], 1, max_ngram, block_size - 1, ngrams, 2, prefer_store)
-                draft = draft[: int((confidence >= store_cut).cumprod(0).sum())]
+                draft = draft[: int((confidence >= refill_below).cumprod(0).sum())]
                 tokens[r, j, 1 : 1 + len(draft)], known[r, j, 1 : 1 + len(draft)] = draft, True
                 known[r, j, 1 + len(draft) :] = False
                 filled += len(draft) < block_size - 1
