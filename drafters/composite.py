@@ -90,15 +90,13 @@ class ChainDrafter(Drafter):
         drafts = [Draft.empty(ctx.input_ids.device) for ctx in ctxs]
         for i, source in enumerate(self.sources):
             reach = [min(k, source.node_budget) for k in max_tokens]
+            depth = [min(k, source.max_draft_len) for k in max_tokens]
             runs = [ctx.stages is None or i < ctx.stages for ctx in ctxs]
             if i and self.refill_below:
-                depth = [min(k, source.max_draft_len) for k in max_tokens]
                 drafts = [self._unsure_tail_cut(d, n) if run else d for d, n, run in zip(drafts, depth, runs)]
             # A source continues a draft shallower than its reach, up to its node budget.
             rows = [
-                r
-                for r, draft in enumerate(drafts)
-                if runs[r] and len(draft) < reach[r] and draft.depth() < min(max_tokens[r], source.max_draft_len)
+                r for r, draft in enumerate(drafts) if runs[r] and len(draft) < reach[r] and draft.depth() < depth[r]
             ]
             if rows:
                 filled = source.fill_rows(
@@ -116,7 +114,7 @@ class ChainDrafter(Drafter):
         than `depth` (the next source's reach); otherwise `draft`."""
         if draft.confidence is None or not draft.is_chain:
             return draft
-        sure = int((draft.confidence >= self.refill_below).cumprod(0).sum())
+        sure = sure_prefix_length(draft.confidence, self.refill_below)
         return draft.truncate(sure) if sure < min(depth, len(draft)) else draft
 
     def _branch(
@@ -144,6 +142,12 @@ class ChainDrafter(Drafter):
         for r, path in zip(rows, own):
             drafts[r] = add_path(drafts[r], path, last).truncate(max_tokens[r])
         return drafts
+
+
+def sure_prefix_length(confidence: torch.Tensor, refill_below: float) -> int:
+    """How many leading nodes of a chain have confidence >= `refill_below`: where `ChainDrafter(refill_below=...)`
+    cuts a draft for the next source to redraft (`drafters.training.estimate` replays the same rule offline)."""
+    return int((confidence >= refill_below).cumprod(0).sum())
 
 
 def with_stage(draft: Draft, given: Draft, stage: int) -> Draft:

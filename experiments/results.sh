@@ -100,8 +100,8 @@ python -m drafters.training.answer_sets prompts --prompts experiments/prompts/de
     --out drafters/checkpoints/smollm2-135m-dev-chat --batch-size 16 --max-new-tokens 256
 python -m experiments.heldout --answers drafters/checkpoints/smollm2-135m-dev-chat \
     --block $W/ft-recipe-nk-long-g3 --block drafters/checkpoints/smollm2-135m-block --passes 1,3,7 --fill \
-    --refill-below 0,0.3 --ngram-store drafters/checkpoints/smollm2-135m-ngram --max-ngrams 32 --prefer-store 0.5 --lookup 7 \
-    --anchors-per-answer 48 | tee runs/shipped-block/dev-chat.md
+    --refill-below 0,0.3 --ngram-store drafters/checkpoints/smollm2-135m-ngram --max-ngrams 32 --prefer-store 0.5 \
+    --lookup 7 --anchors-per-answer 48 | tee runs/shipped-block/dev-chat.md
 python -m experiments.heldout --answers drafters/checkpoints/smollm2-135m-dev-chat \
     --block drafters/checkpoints/smollm2-135m-block-gpu --passes 1,7 --fill --branch 0,2 \
     --ngram-store drafters/checkpoints/smollm2-135m-ngram --max-ngrams 32 --prefer-store 0.5 --lookup 7 \

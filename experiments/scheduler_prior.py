@@ -3,12 +3,12 @@
     python -m experiments.scheduler_prior --num-prompts 8 --max-new-tokens 256
 
 Decodes the dev prompts (experiments/prompts/dev.jsonl: ours, never an evaluation set) one at a time, greedily, with
-`hybrid.load_default()`'s verifier and drafter (`--branch` and `--refill-below` set those of the drafter) and a `CostAwareScheduler`
-that starts uninformed and learns across them, as a process that has served those prompts would. Then it writes
-what holds on any machine (the acceptance counts, what each drafting stage adds; `CostAwareScheduler.prior_entry`)
-to `scheduler_prior.json` in the shipped drafter's checkpoint folder, where every calibrated scheduler for that
-drafter and verifier starts from it (`schedulers.prior`). Rerun it after retraining the drafter or changing its
-settings: a prior measured for another fingerprint is not used.
+`hybrid.load_default()`'s verifier and drafter (`--branch` and `--refill-below` set those of the drafter) and a
+`CostAwareScheduler` that starts uninformed and learns across them, as a process that has served those prompts
+would. Then it writes what holds on any machine (the acceptance counts, what each drafting stage adds;
+`CostAwareScheduler.prior_entry`) to `scheduler_prior.json` in the shipped drafter's checkpoint folder, where every
+calibrated scheduler for that drafter and verifier starts from it (`schedulers.prior`). Rerun it after retraining the
+drafter or changing its settings: a prior measured for another fingerprint is not used.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from drafters.composite import sure_prefix_length
 from drafters.prompt_lookup import lookup_draft
 from drafters.training.batches import anchor_candidates, ar_batch, block_batch, block_targets, to_device
 from drafters.training.models import ar_forward, block_forward
@@ -178,7 +179,7 @@ def lookup_fill_tau(
             ids = torch.from_numpy(store.sequence(i)["ids"].astype(np.int64))
             for j, a in enumerate(chosen):
                 draft, confidence = lookup_draft(ids[: a + 1], 1, max_ngram, block_size - 1, ngrams, 2, prefer_store)
-                draft = draft[: int((confidence >= refill_below).cumprod(0).sum())]
+                draft = draft[: sure_prefix_length(confidence, refill_below)]
                 tokens[r, j, 1 : 1 + len(draft)], known[r, j, 1 : 1 + len(draft)] = draft, True
                 known[r, j, 1 + len(draft) :] = False
                 filled += len(draft) < block_size - 1
