@@ -35,6 +35,7 @@ import hashlib
 import json
 import statistics
 import sys
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -201,6 +202,7 @@ def _measure(args, model, tokenizer, pending, path: Path, show_progress: bool) -
             seconds=seconds,
             tau=tau,
             draft_seconds=None if stats is None else stats.draft_time,
+            pass_steps=None if stats is None else dict(Counter(p for p in stats.passes if p)),
             identical=bool(torch.equal(out, references[i])),
         )
         append_record(path, record)
@@ -219,6 +221,7 @@ def summarize(args, records: list[dict]) -> dict[str, dict]:
     drafting: dict[str, list[float]] = {m: [0.0, 0.0] for m in args.methods}  # drafting seconds, all seconds
     taus: dict[str, dict[str, float]] = {m: {} for m in args.methods}
     identical = {m: True for m in args.methods}
+    passes: dict[str, Counter] = {m: Counter() for m in args.methods}  # passes -> steps a multi-pass stage ran
     for rec in records:
         tokens_seconds = per_repeat[rec["method"]].setdefault(rec["repeat"], [0, 0.0])
         tokens_seconds[0] += rec["new_tokens"]
@@ -226,6 +229,7 @@ def summarize(args, records: list[dict]) -> dict[str, dict]:
         if rec["tau"] is not None:
             taus[rec["method"]][rec["prompt_sha"]] = rec["tau"]  # one seed per prompt: the same in every repeat
         identical[rec["method"]] &= rec["identical"]
+        passes[rec["method"]].update({int(p): n for p, n in (rec.get("pass_steps") or {}).items()})
         if rec.get("draft_seconds") is not None:
             drafting[rec["method"]][0] += rec["draft_seconds"]
             drafting[rec["method"]][1] += rec["seconds"]
@@ -244,6 +248,7 @@ def summarize(args, records: list[dict]) -> dict[str, dict]:
             "fraction_of_oracle": med / ceiling if ceiling else None,
             "identical_to_plain": identical[m],
             "drafting_share": drafting[m][0] / drafting[m][1] if drafting[m][1] else None,
+            "pass_steps": {p: passes[m][p] for p in sorted(passes[m])},
             "warm_up_s": WARM_UP.get(m),
         }
     return rows
@@ -269,6 +274,10 @@ def print_table(args, rows: dict[str, dict], num_prompts: int, processes: int) -
             f"{fmt(row['fraction_of_oracle'], '.2f'):>11}{'-' if share is None else f'{share:.1%}':>10}  "
             f"{'yes' if row['identical_to_plain'] else 'NO'}"
         )
+    for m, row in rows.items():
+        if row.get("pass_steps"):
+            counts = ", ".join(f"{p}: {n}" for p, n in row["pass_steps"].items())
+            print(f"{m}: denoising passes the scheduler chose, steps each where the block model ran: {counts}")
     for m, row in rows.items():
         if row["warm_up_s"] is not None:
             print(f"{m}: {row['warm_up_s']:.1f} s of untimed warm-up (compiling) over the prompts this process ran")

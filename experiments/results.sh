@@ -106,14 +106,19 @@ python -m experiments.heldout --answers drafters/checkpoints/smollm2-135m-dev-ch
     --block drafters/checkpoints/smollm2-135m-block-gpu --passes 1,7 --fill --branch 0,2 \
     --ngram-store drafters/checkpoints/smollm2-135m-ngram --max-ngrams 32 --prefer-store 0.5 --lookup 7 \
     --anchors-per-answer 48 | tee runs/shipped-block/dev-chat-base.md
-for set in dev heldout mt-bench humaneval; do
+python -m experiments.heldout --block drafters/checkpoints/smollm2-135m-block --passes 1,4,5 --anchors-per-answer 16 \
+    | tee runs/shipped-block/passes.md
+python -m experiments.verify_costs | tee runs/shipped-block/verify-costs.txt
+for set in heldout mt-bench humaneval dev; do
     mkdir -p runs/shipped-block/bench-$set && python -m experiments.bench --dataset $set --num-prompts 8 \
-        --max-new-tokens 256 --repeats 1 --methods plain,hybrid-default,hybrid-default-refill,hybrid-match-store \
+        --max-new-tokens 256 --repeats 1 --methods plain,hybrid-default,hybrid-match-store \
         --out runs/shipped-block/bench-$set | tee runs/shipped-block/bench-$set/table.txt
 done
-mkdir -p runs/shipped-block/bench-sampling-heldout && python -m experiments.bench --dataset heldout --num-prompts 8 \
-    --max-new-tokens 256 --repeats 1 --temperature 0.7 --top-p 0.9 --methods plain,hybrid-default \
-    --out runs/shipped-block/bench-sampling-heldout | tee runs/shipped-block/bench-sampling-heldout/table.txt
+for set in heldout mt-bench; do
+    mkdir -p runs/shipped-block/bench-sampling-$set && python -m experiments.bench --dataset $set --num-prompts 8 \
+        --max-new-tokens 256 --repeats 1 --temperature 0.7 --top-p 0.9 --methods plain,hybrid-default \
+        --out runs/shipped-block/bench-sampling-$set | tee runs/shipped-block/bench-sampling-$set/table.txt
+done
 # The block model's own first tokens verified beside the default's chain (drafters.ChainDrafter's branch): offline,
 # every node verified, and in the bench against the default and its lookup and store alone.
 python -m experiments.heldout --block drafters/checkpoints/smollm2-135m-block-gpu --passes 1 --fill --branch 0,1,2,3,7 \
@@ -141,7 +146,8 @@ for run in dflash-drafter-a32 block-drafter-a32 block-drafter-a32-1800; do
 done
 for run in verify-costs bench-heldout bench-mt-bench bench-humaneval bench-dev bench-sampling-mt-bench bench-sampling-heldout \
     first-call online-store regimes heldout extras branch/bench-dev branch/bench-heldout shipped-block \
-    shipped-block/bench-dev shipped-block/bench-heldout shipped-block/bench-mt-bench shipped-block/bench-humaneval shipped-block/bench-sampling-heldout; do
+    shipped-block/bench-dev shipped-block/bench-heldout shipped-block/bench-mt-bench shipped-block/bench-humaneval shipped-block/bench-sampling-heldout \
+    shipped-block/bench-sampling-mt-bench; do
     mkdir -p "docs/results/$run"
     cp runs/$run/*.png runs/$run/*.md runs/$run/*.csv runs/$run/*.json runs/$run/*.txt "docs/results/$run/" 2>/dev/null || true
 done

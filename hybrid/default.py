@@ -33,7 +33,7 @@ DRAFTER_TREE_NODES = None
 DRAFTER_BRANCHING = 4
 # The most denoising passes a block may take; the scheduler chooses 1..DRAFTER_STEPS each step, by measured tokens
 # per second (a pass fixes the confident leading run, DRAFTER_THRESHOLD, and re-predicts the rest reading it).
-DRAFTER_STEPS = 3
+DRAFTER_STEPS = 4
 DRAFTER_THRESHOLD = 0.9
 # The block model's own first tokens verified beside the lookup's draft, as a second path of a token tree
 # (`drafters.ChainDrafter`'s branch; 0: none).

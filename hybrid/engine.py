@@ -166,6 +166,7 @@ def decode(
                 f"(how many of {type(drafter).__name__}'s stages to run)"
             )
         schedule_time = clock.lap()
+        passes = steps if any(stage.max_steps > 1 for stage in drafter.stages[:stages]) else 0
         _draft(drafter, active, budget, steps, stages, max_length, verifier, do_sample, draft_rng)
         draft_time = clock.lap()
         ks = scheduler.select_batch([row.draft for row in active])
@@ -186,6 +187,7 @@ def decode(
         )
         schedule_time += clock.lap()
         for row in active:  # a row's share of the batched forward is its cost
+            row.stats.passes.append(passes)
             row.stats.draft_time += draft_time / len(active)
             row.stats.verify_time += verify_time / len(active)
             row.stats.schedule_time += schedule_time / len(active)

@@ -51,6 +51,8 @@ class GenerationStats:
     accepted: how many of them the acceptance rule kept (one path of a tree).
     emitted:  tokens appended by the step: accepted + 1 (the verifier's own correction or bonus
               token), fewer only on the last step when EOS or a stopping criterion cut it short.
+    passes:   per drafting step (not the prefill), the denoising passes the scheduler chose for it where a
+              stage that runs several (a block model) drafted, else 0.
     Times are seconds of wall clock: drafting, verification (forward + acceptance), the prefill, and
     the whole call.
     """
@@ -58,6 +60,7 @@ class GenerationStats:
     drafted: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
     emitted: list[int] = field(default_factory=list)
+    passes: list[int] = field(default_factory=list)
     prefill_time: float = 0.0
     draft_time: float = 0.0
     verify_time: float = 0.0
@@ -92,6 +95,12 @@ class GenerationStats:
         drafted = sum(self.drafted)
         return sum(self.accepted) / drafted if drafted else float("nan")
 
+    @property
+    def mean_passes(self) -> float:
+        """Mean denoising passes over the steps a multi-pass stage drafted (nan where none did)."""
+        ran = [p for p in self.passes if p]
+        return sum(ran) / len(ran) if ran else float("nan")
+
     @classmethod
     def combined(cls, parts: list[GenerationStats]) -> GenerationStats:
         """The stats of several calls (e.g. the rows of a batch) as one: steps concatenated, times summed."""
@@ -100,6 +109,7 @@ class GenerationStats:
             total.drafted += part.drafted
             total.accepted += part.accepted
             total.emitted += part.emitted
+            total.passes += part.passes
             for name in ("prefill_time", "draft_time", "verify_time", "schedule_time", "total_time"):
                 setattr(total, name, getattr(total, name) + getattr(part, name))
         return total

@@ -144,8 +144,9 @@ class CostAwareScheduler(_Calibrated):
     and the concave cost of a verify would make dearer than its steps were; V_n falls back to that where not yet
     measured). They are known for every n up to the stages that ran, since a stage's nodes never parent the earlier
     stages' nor change which of those are accepted (`Draft.stage`). T_n, V_n, W_n and D_n are kept per batch size (a
-    wider batch verifies less of each row and pays more per drafter forward); a batch size not seen yet starts from
-    the nearest one seen, D_n scaled by the rows. D_n is 0 for no stage; one never run counts as free, so it gets tried.
+    wider batch verifies less of each row and pays more per drafter forward), T_n and W_n starting from the shipped
+    prior's figures for that batch size; a batch size neither seen nor in the prior starts from the nearest one seen,
+    D_n scaled by the rows. D_n is 0 for no stage; one never run counts as free, so it gets tried.
     T_n is a moving mean of recent steps, so the text of this call is in it already: only `batch_worth` scales it
     (scaled by `call_factor` too, a call whose first steps copied little would count that twice and stop drafting).
 
@@ -198,28 +199,50 @@ class CostAwareScheduler(_Calibrated):
         self._step_count: dict[int, int] = {}  # rows -> steps that chose passes from measurements
         # rows -> n stages -> [steps, accepted tokens per row, verify width] of the nodes of the first n stages
         self._stage_gain: dict[int, list[list[float]]] = {1: self._no_gain()}
-        if prior is not None and len(prior["stage_tokens"]) == self.num_stages + 1:
-            for n, (tokens, width) in enumerate(zip(prior["stage_tokens"], prior["stage_width"])):
-                self._stage_gain[1][n] = [self.PRIOR_STEPS, tokens, width]
+        self._saved: dict[int, list[float]] = {}  # rows -> [steps calls saved, steps estimated], decayed sums
+        if prior is not None:
+            self._start_from(prior)
         self._draft_cost: dict[int, list[list[float]]] = {}  # rows -> n stages -> [steps, seconds]
         self._stage_verify: dict[int, list[list[float]]] = {}  # rows -> n stages -> [steps, verify seconds]
         self._credit: dict[int, float] = {}  # rows -> seconds exploration may still lose at that batch size
         self._weights: list[float] = []  # what a token of each row of this step is worth (`set_rows`)
-        self._saved: dict[int, list[float]] = {}  # rows -> [steps calls saved, steps estimated], decayed sums
+
+    def _start_from(self, prior: dict) -> None:
+        """Each batch size's stage statistics from the shipped prior (counting PRIOR_STEPS steps), and what the
+        prior's calls of several rows saved. A batch of 8 verifies less of each row than one of 1, and saves fewer
+        steps than its tokens count, so borrowing batch 1's figures would make a one-shot batch call draft at a loss
+        until its own steps corrected them."""
+        stages = {1: (prior["stage_tokens"], prior["stage_width"])}
+        stages |= {int(rows): (b["stage_tokens"], b["stage_width"]) for rows, b in prior["batches"].items()}
+        for rows, (tokens, widths) in stages.items():
+            if len(tokens) == self.num_stages + 1:
+                self._stage_gain[rows] = [[self.PRIOR_STEPS, t, w] for t, w in zip(tokens, widths)]
+        self._saved = {int(rows): list(b["saved"]) for rows, b in prior["batches"].items()}
 
     def _no_gain(self) -> list[list[float]]:
         return [[1, 0.0, 1.0]] + [[0, 0.0, 1.0] for _ in range(self.num_stages)]  # no stage: the pending token alone
 
     def prior_entry(self) -> dict:
         """What this scheduler learned that holds on any machine, for a shipped prior (`schedulers.prior`): the
-        acceptance counts and what each stage adds at batch size 1."""
+        acceptance counts, what each stage adds at batch size 1 and, under "batches", at each larger batch size it
+        ran, with the steps that batch size's calls saved against what their tokens promised (`batch_worth`)."""
         gain = self._stage_gain[1]
+        batches = {
+            str(rows): {
+                "stage_tokens": [tokens for _, tokens, _ in self._stage_gain[rows]],
+                "stage_width": [width for _, _, width in self._stage_gain[rows]],
+                "saved": self._saved.get(rows, [0.0, 0.0]),
+            }
+            for rows in sorted(self._stage_gain)
+            if rows > 1
+        }
         return {
             "fingerprint": self.acceptance.fingerprint,
             "tried": self.acceptance.tried.tolist(),
             "accepted": self.acceptance.accepted.tolist(),
             "stage_tokens": [tokens for _, tokens, _ in gain],
             "stage_width": [width for _, _, width in gain],
+            "batches": batches,
         }
 
     def set_rows(self, steps_left: list[float]) -> None:

@@ -1,13 +1,14 @@
 """Priors shipped beside a drafter's checkpoint: what the default scheduler knows before its first step.
 
 A one-shot call (`python -m hybrid generate`, a script that decodes once, a server's first request) has no history
-to learn from. `python -m experiments.scheduler_prior` decodes our own dev prompts (never an evaluation set) with
-the shipped drafter and writes what the cost-aware scheduler learned there, the acceptance counts and what each
-drafting stage adds, to `scheduler_prior.json` in the drafter's checkpoint folder. A scheduler starts from the entry
-for its (drafter, verifier) fingerprint, worth at most `PRIOR_OBSERVATIONS` observations per cell so the user's own
-text soon outweighs it; without one (another drafter, a retrained checkpoint) it starts uninformed and learns from
-its first step. Seconds are not in it: they belong to the machine, where verify costs are measured once and cached
-on disk (`VerifyCostModel.for_model`) and draft costs are timed as the run goes.
+to learn from. `python -m experiments.scheduler_prior` decodes our own tuning prompts (never an evaluation set) with
+the shipped drafter, one at a time and in batches of several rows, and writes what the cost-aware scheduler learned
+there to `scheduler_prior.json` in the drafter's checkpoint folder: the acceptance counts, what each drafting stage
+adds at each batch size and how many steps the batches' calls saved. A scheduler starts from the entry for its
+(drafter, verifier) fingerprint, worth at most `PRIOR_OBSERVATIONS` observations per cell so the user's own text soon
+outweighs it; without one (another drafter, a retrained checkpoint) it starts uninformed and learns from its first
+step. Seconds are not in it: they belong to the machine, where verify costs are measured once and cached on disk
+(`VerifyCostModel.for_model`) and draft costs are timed as the run goes.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ CHECKPOINTS = Path(drafters.__file__).resolve().parent / "checkpoints"
 PRIOR_FILE = "scheduler_prior.json"
 PRIOR_OBSERVATIONS = 32
 COMMAND = "python -m experiments.scheduler_prior"
-FIELDS = ("fingerprint", "tried", "accepted", "stage_tokens", "stage_width")
+FIELDS = ("fingerprint", "tried", "accepted", "stage_tokens", "stage_width", "batches")
 
 
 def shipped_prior(fingerprint: dict, root: Path | None = None) -> tuple[Path, dict] | None:

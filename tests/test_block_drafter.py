@@ -42,6 +42,35 @@ def world(tmp_path_factory):
     return verifier, drafter, store
 
 
+def test_an_interrupted_feature_build_resumes_to_what_an_uninterrupted_one_writes(tmp_path):
+    """Batches of one sequence each (batch_tokens 1), progress saved after every batch: a build stopped after its
+    second batch resumes at the third, and its files equal a build that ran through."""
+    verifier = tiny_model("llama", VOCAB, 2, seed=1)
+    gen = torch.Generator().manual_seed(1)
+    sequences = [
+        {"ids": torch.randint(0, VOCAB, (n,), generator=gen).tolist(), "prompt_len": 2, "source": "generated"}
+        for n in (9, 7, 12, 5)
+    ]
+    layers = (0, 1)
+
+    def stop_after_two(line: str) -> None:
+        if line.startswith("features: ") and int(line.split()[1].split("/")[0]) >= 5 + 7:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        build_features(
+            verifier, sequences, tmp_path / "a", layers, top_k=4, batch_tokens=1, log=stop_after_two, save_every=0
+        )
+    assert not (tmp_path / "a" / "meta.json").exists()
+    lines = []
+    build_features(verifier, sequences, tmp_path / "a", layers, top_k=4, batch_tokens=1, log=lines.append, save_every=0)
+    assert lines[0] == "features: resumed at 12/33 tokens" and len(lines) == 3  # the two batches left
+    build_features(verifier, sequences, tmp_path / "b", layers, top_k=4, batch_tokens=1, log=lambda *a: None)
+    for name in ("ids.bin", "greedy.bin", "top_ids.bin", "top_probs.bin", "hidden.bin", "meta.json"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+    assert not (tmp_path / "a" / "progress.json").exists()
+
+
 def drafting_logits(verifier, drafter, ids: torch.Tensor, anchor: int, block=None, known=None) -> torch.Tensor:
     """What the drafter computes at draft time for `anchor`: the verifier has run ids[:anchor] only."""
     v = Verifier(verifier, hidden_layers=drafter.hidden_layers)
@@ -360,6 +389,8 @@ def test_the_scheduler_chooses_the_denoising_passes(chosen):
     )
     drafting_steps = sum(1 for k in stats.drafted[1:] if k)
     assert drafting_steps and len(passes) == chosen * drafting_steps
+    assert len(stats.passes) == len(stats.drafted) - 1 and set(stats.passes) == {chosen}  # the stats say so too
+    assert stats.mean_passes == chosen
 
 
 def test_a_run_with_another_step_plan_is_another_run():

@@ -557,7 +557,9 @@ def test_a_scheduler_starts_from_the_shipped_prior_for_its_pair(tmp_path, monkey
     model = tiny_model("llama", 48, 2, seed=0)
     drafter = ChainDrafter([PromptLookupDrafter(max_ngram=2, max_draft_len=4), _Counting()])
     prompts = [torch.tensor([[5, 6, 7, 5, 6, 7, 5, 6]]), torch.tensor([[9, 3, 9, 3, 9, 3, 4]])]
-    warmed = learn_prior(model, drafter, prompts, max_new_tokens=60, costs=FLAT)
+    batch = (torch.tensor([[5, 6, 7, 5, 6, 7, 5, 6], [0, 9, 3, 9, 3, 9, 3, 4]]), torch.ones(2, 8, dtype=torch.long))
+    batch[1][1, 0] = 0
+    warmed = learn_prior(model, drafter, prompts, max_new_tokens=60, costs=FLAT, batches=[batch] * 2, batch_tokens=30)
     path = tmp_path / "some-drafter" / PRIOR_FILE
     path.parent.mkdir()
     write_prior(path, warmed.prior_entry())
@@ -574,6 +576,13 @@ def test_a_scheduler_starts_from_the_shipped_prior_for_its_pair(tmp_path, monkey
         assert fresh.acceptance.predict(d) == pytest.approx(warmed.acceptance.predict(d), abs=0.03)
         assert fresh.select(d) == warmed.select(d)
     assert fresh.prior_entry()["stage_tokens"] == warmed.prior_entry()["stage_tokens"]
+    # A batch of 2 starts from what the prior's batches of 2 measured, not from batch 1's figures.
+    assert fresh.prior_entry()["batches"] == warmed.prior_entry()["batches"]
+    assert set(warmed.prior_entry()["batches"]) == {"2"} and warmed._saved[2][1] > 0
+    assert [tokens for _, tokens, _ in fresh._gain(2)] == warmed.prior_entry()["batches"]["2"]["stage_tokens"]
+    fresh.set_rows([10.0, 10.0])
+    warmed.set_rows([10.0, 10.0])
+    assert fresh.batch_worth() == warmed.batch_worth() < 1.0
 
     uninformed = CostAwareScheduler(costs=FLAT, prior=False)
     uninformed.reset(drafter, model)

@@ -266,8 +266,12 @@ def build_features(
     top_k: int = 8,
     batch_tokens: int = 4096,
     log=print,
+    save_every: float = 60.0,
 ) -> FeatureStore:
-    """Teacher-forced verifier features for `sequences`; written once, then reused (delete `root` to rebuild)."""
+    """Teacher-forced verifier features for `sequences`; written once, then reused (delete `root` to rebuild). An
+    interrupted build resumes from its last saved batch: every `save_every` seconds the arrays are flushed and the
+    batch reached is written to progress.json (the batches' order is fixed by the sequences, so a resumed build
+    writes what an uninterrupted one would)."""
     if (root / "meta.json").exists():
         return FeatureStore(root)
     root.mkdir(parents=True, exist_ok=True)
@@ -275,15 +279,24 @@ def build_features(
     lengths = [len(s["ids"]) for s in sequences]
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     n = int(offsets[-1])
-    create = lambda name, dtype, shape: np.memmap(root / name, dtype=dtype, mode="w+", shape=shape)  # noqa: E731
+    progress_file = root / "progress.json"
+    shape = {"tokens": n, "sequences": len(lengths), "layers": list(layers), "top_k": top_k}
+    progress = json.loads(progress_file.read_text()) if progress_file.exists() else {}
+    resumed = progress.get("shape") == shape
+    mode = "r+" if resumed else "w+"
+    create = lambda name, dtype, shape: np.memmap(root / name, dtype=dtype, mode=mode, shape=shape)  # noqa: E731
     ids = create("ids.bin", np.int32, (n,))
     greedy = create("greedy.bin", np.int32, (n,))
     top_ids = create("top_ids.bin", np.int32, (n, top_k))
     top_probs = create("top_probs.bin", np.float16, (n, top_k))
     hidden = create("hidden.bin", np.float16, (n, len(layers) * hidden_size))
+    arrays = (ids, greedy, top_ids, top_probs, hidden)
     # Batches of similar length (right-padded: causal attention makes the padding invisible to real tokens).
     order = sorted(range(len(sequences)), key=lambda i: lengths[i])
-    start, done, i = time.time(), 0, 0
+    done, i = (progress["done"], progress["next"]) if resumed else (0, 0)
+    if resumed:
+        log(f"features: resumed at {done}/{n} tokens")
+    start, saved, first = time.time(), time.time(), done
     while i < len(order):
         j = i + max(1, batch_tokens // lengths[order[i]])
         batch = order[i:j]
@@ -306,8 +319,13 @@ def build_features(
             hidden[a : a + m] = states[row, :m].numpy()
         done += sum(lengths[k] for k in batch)
         i = j
-        log(f"features: {done}/{n} tokens, {done / (time.time() - start):.0f} tok/s")
-    for array in (ids, greedy, top_ids, top_probs, hidden):
+        if time.time() - saved >= save_every:
+            for array in arrays:
+                array.flush()
+            progress_file.write_text(json.dumps({"shape": shape, "next": i, "done": done}))
+            saved = time.time()
+        log(f"features: {done}/{n} tokens, {(done - first) / (time.time() - start):.0f} tok/s")
+    for array in arrays:
         array.flush()
     meta = {
         "layers": list(layers),
@@ -318,6 +336,7 @@ def build_features(
         "sources": [s["source"] for s in sequences],
     }
     (root / "meta.json").write_text(json.dumps(meta))
+    progress_file.unlink(missing_ok=True)
     return FeatureStore(root)
 
 

@@ -18,7 +18,8 @@ Stages, each cached under WORK (a rerun skips what is done; delete a folder to r
   1. generate  the verifier answers --gen-shards x --gen-batch training prompts greedily (drafters.training.corpus,
                plus --synthetic-prompts user turns sampled from the verifier);
   2. features  one teacher-forced verifier pass over those answers and --doc-tokens of local documents
-               records the fused hidden states, greedy targets and top-k soft labels (drafters.training.distill);
+               records the fused hidden states, greedy targets and top-k soft labels (drafters.training.distill;
+               progress saved every minute, an interrupted pass resumes where it was);
   3. train     --steps optimizer steps; a checkpoint every --save-every steps (resumed automatically),
                a held-out acceptance estimate (tau of one-pass greedy drafting) every --eval-every steps
                (batches, losses, models and the estimate are drafters.training's other modules).
