@@ -161,7 +161,8 @@ class CostAwareScheduler(_Calibrated):
     For a multi-step drafter it also picks the number of denoising passes, per batch size: each is tried for
     `STEP_TRIALS` steps, then the one with the best measured tokens per second is used, and the runner-up is retried
     every `STEP_EXPLORE` steps (more passes cost drafter time and pay only if they raise acceptance, which only
-    measurement can tell).
+    measurement can tell). Only steps that ran every stage and verified nodes of a multi-pass stage count: on the
+    others the passes changed nothing.
     """
 
     STEP_TRIALS = 8
@@ -442,8 +443,14 @@ class CostAwareScheduler(_Calibrated):
         self._observe_stages(drafts, accepted, sum(draft_times))
         earned = self.EXPLORE_SHARE / rows * (sum(draft_times) + verify_time)
         self._credit[rows] = self._credit.get(rows, 0.0) + earned
-        if self._stages == self.num_stages:  # passes are compared on steps that ran every stage
+        if self._stages == self.num_stages and self._passes_mattered(drafts):
             self._observe_steps(rows, sum(map(len, accepted)) + rows, sum(draft_times) + verify_time)
+
+    def _passes_mattered(self, drafts: list[Draft]) -> bool:
+        """Whether a step's verified nodes include a multi-pass stage's. Passes are compared on those steps alone:
+        where a lookup's match fills the block the passes change nothing, and such a step's tokens per second (one
+        token to sixteen, by the match) would only bury the passes' difference in the lookup's spread."""
+        return any(stage in self.pass_stages for draft in drafts for stage in draft.stage_list())
 
     def _observe_stages(self, drafts: list[Draft], accepted: list[list[int]], draft_seconds: float) -> None:
         """Fold one step into T_n and W_n for every n up to the stages that ran, and into D of those stages, at this

@@ -188,6 +188,21 @@ def test_cost_aware_tries_each_number_of_passes_then_keeps_the_fastest():
     assert {one_pass.denoising_steps() for _ in range(20)} == {1}
 
 
+def test_passes_are_compared_on_steps_whose_verified_nodes_they_shaped():
+    """A chain of a lookup and a multi-pass stage: a step that verified only the lookup's nodes says nothing of the
+    passes (they changed none of them), so it counts toward no pass count's tokens per second; one that verified the
+    second stage's nodes counts."""
+    s = CostAwareScheduler(costs={1: 1.0, 17: 5.0})
+    s.reset(ChainDrafter([PromptLookupDrafter(max_draft_len=4), _StepsDrafter(max_draft_len=4)]))
+    assert s.pass_stages == {1}
+    for _ in range(3 * s.STEP_TRIALS):
+        assert s.denoising_steps() == 1  # still untried
+        s.update_batch([staged(3, 0)], [[0, 1, 2]], [0.0], 1.0)
+    assert all(steps == 0 for steps, _ in s._passes_stats(1).values())
+    s.update_batch([staged(1, 2)], [[0, 1]], [0.0], 1.0)
+    assert s._passes_stats(1)[1] == [1, 3.0]  # 2 accepted + the verifier's token in 1 s
+
+
 def test_each_batch_size_chooses_its_own_passes():
     """A batch's tokens per second is not a row's, and its drafter forwards cost other shares of its step: passes
     are tried and ranked per batch size. Here two pay at batch 1, one at batch 4."""
