@@ -114,6 +114,11 @@ for set in heldout mt-bench humaneval dev; do
         --max-new-tokens 256 --repeats 1 --methods plain,hybrid-default,hybrid-match-store \
         --out runs/shipped-block/bench-$set | tee runs/shipped-block/bench-$set/table.txt
 done
+for set in heldout mt-bench humaneval dev; do  # the default alone against plain (its passes, as shipped)
+    mkdir -p runs/shipped-block/passes-$set && python -m experiments.bench --dataset $set --num-prompts 8 \
+        --max-new-tokens 256 --repeats 1 --methods plain,hybrid-default \
+        --out runs/shipped-block/passes-$set | tee runs/shipped-block/passes-$set/table.txt
+done
 for set in heldout mt-bench; do
     mkdir -p runs/shipped-block/bench-sampling-$set && python -m experiments.bench --dataset $set --num-prompts 8 \
         --max-new-tokens 256 --repeats 1 --temperature 0.7 --top-p 0.9 --methods plain,hybrid-default \
@@ -147,7 +152,8 @@ done
 for run in verify-costs bench-heldout bench-mt-bench bench-humaneval bench-dev bench-sampling-mt-bench bench-sampling-heldout \
     first-call online-store regimes heldout extras branch/bench-dev branch/bench-heldout shipped-block \
     shipped-block/bench-dev shipped-block/bench-heldout shipped-block/bench-mt-bench shipped-block/bench-humaneval shipped-block/bench-sampling-heldout \
-    shipped-block/bench-sampling-mt-bench; do
+    shipped-block/bench-sampling-mt-bench shipped-block/passes-heldout shipped-block/passes-mt-bench \
+    shipped-block/passes-humaneval shipped-block/passes-dev; do
     mkdir -p "docs/results/$run"
     cp runs/$run/*.png runs/$run/*.md runs/$run/*.csv runs/$run/*.json runs/$run/*.txt "docs/results/$run/" 2>/dev/null || true
 done
