@@ -256,6 +256,12 @@ class Drafter:
         return (self,)
 
     @property
+    def pass_stages(self) -> frozenset[int]:
+        """Indices into `stages` of those that run several denoising passes: the only ones whose drafts the passes
+        the scheduler picks can change (a block model's; a lookup's never)."""
+        return frozenset(i for i, stage in enumerate(self.stages) if stage.max_steps > 1)
+
+    @property
     def node_budget(self) -> int:
         """The most nodes one draft may have: `max_nodes` for a tree drafter, else `max_draft_len` (a chain's)."""
         return self.max_draft_len if self.max_nodes is None else self.max_nodes

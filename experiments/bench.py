@@ -221,7 +221,7 @@ def summarize(args, records: list[dict]) -> dict[str, dict]:
     drafting: dict[str, list[float]] = {m: [0.0, 0.0] for m in args.methods}  # drafting seconds, all seconds
     taus: dict[str, dict[str, float]] = {m: {} for m in args.methods}
     identical = {m: True for m in args.methods}
-    passes: dict[str, Counter] = {m: Counter() for m in args.methods}  # passes -> steps a multi-pass stage ran
+    passes: dict[str, Counter] = {m: Counter() for m in args.methods}  # passes -> steps that ran a multi-pass stage
     for rec in records:
         tokens_seconds = per_repeat[rec["method"]].setdefault(rec["repeat"], [0, 0.0])
         tokens_seconds[0] += rec["new_tokens"]
@@ -277,7 +277,9 @@ def print_table(args, rows: dict[str, dict], num_prompts: int, processes: int) -
     for m, row in rows.items():
         if row.get("pass_steps"):
             counts = ", ".join(f"{p}: {n}" for p, n in row["pass_steps"].items())
-            print(f"{m}: denoising passes the scheduler chose, steps each where the block model ran: {counts}")
+            print(
+                f"{m}: denoising passes the scheduler chose, steps each among those that ran the block model's stage: {counts}"
+            )
     for m, row in rows.items():
         if row["warm_up_s"] is not None:
             print(f"{m}: {row['warm_up_s']:.1f} s of untimed warm-up (compiling) over the prompts this process ran")

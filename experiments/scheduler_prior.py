@@ -96,8 +96,9 @@ def main(argv=None):
         parser.error(f"--refill-below {args.refill_below}: give a share in [0, 1] (0: never refill)")
     model, tokenizer = load_verifier()
     drafter = default_drafter(model, tokenizer, branch=args.branch, refill_below=args.refill_below)
-    prompts = [encode_prompt(tokenizer, prompt) for prompt in load_prompts("dev")[: args.num_prompts]]
-    tuning = [encode_prompt(tokenizer, prompt) for prompt in load_prompts("dev") + load_prompts("dev-chat")]
+    dev = [encode_prompt(tokenizer, prompt) for prompt in load_prompts("dev")]
+    prompts = dev[: args.num_prompts]
+    tuning = dev + [encode_prompt(tokenizer, prompt) for prompt in load_prompts("dev-chat")]
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     batches = [left_pad(tuning[i : i + size], pad_id) for size in batch_sizes for i in range(0, len(tuning), size)]
     scheduler = learn_prior(

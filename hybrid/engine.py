@@ -149,6 +149,7 @@ def decode(
         row.drafter.reset(row.ctx)
 
     active = _drop_finished(verifier, rows)
+    pass_stages = drafter.pass_stages
     steps_start = clock.total()
     while active:
         clock.lap()
@@ -166,7 +167,7 @@ def decode(
                 f"(how many of {type(drafter).__name__}'s stages to run)"
             )
         schedule_time = clock.lap()
-        passes = steps if any(stage.max_steps > 1 for stage in drafter.stages[:stages]) else 0
+        passes = steps if any(i < stages for i in pass_stages) else 0  # 0: no stage that takes passes ran
         _draft(drafter, active, budget, steps, stages, max_length, verifier, do_sample, draft_rng)
         draft_time = clock.lap()
         ks = scheduler.select_batch([row.draft for row in active])

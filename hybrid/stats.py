@@ -51,8 +51,9 @@ class GenerationStats:
     accepted: how many of them the acceptance rule kept (one path of a tree).
     emitted:  tokens appended by the step: accepted + 1 (the verifier's own correction or bonus
               token), fewer only on the last step when EOS or a stopping criterion cut it short.
-    passes:   per drafting step (not the prefill), the denoising passes the scheduler chose for it where a
-              stage that runs several (a block model) drafted, else 0.
+    passes:   per drafting step (not the prefill), the denoising passes the scheduler chose for it where the
+              stages it ran included one that takes several (a block model; it drafts where the others left
+              room), else 0.
     Times are seconds of wall clock: drafting, verification (forward + acceptance), the prefill, and
     the whole call.
     """
@@ -97,7 +98,7 @@ class GenerationStats:
 
     @property
     def mean_passes(self) -> float:
-        """Mean denoising passes over the steps a multi-pass stage drafted (nan where none did)."""
+        """Mean denoising passes over the steps that ran a multi-pass stage (nan where none did)."""
         ran = [p for p in self.passes if p]
         return sum(ran) / len(ran) if ran else float("nan")
 

@@ -24,8 +24,7 @@ class Scheduler:
         self.max_nodes = drafter.node_budget
         self.max_steps = getattr(drafter, "max_steps", 1)
         self.num_stages = len(drafter.stages)
-        # The stages whose drafts the denoising passes change (a block model's; a lookup's never).
-        self.pass_stages = frozenset(i for i, stage in enumerate(drafter.stages) if getattr(stage, "max_steps", 1) > 1)
+        self.pass_stages = drafter.pass_stages
 
     def set_verify_width(self, width) -> None:
         """Told by the engine after `reset`: a verify of m tokens in each of `rows` rows runs a forward
