@@ -12,6 +12,7 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from test_dflash_export import hybrid_forward
@@ -133,6 +134,28 @@ def test_a_verifier_in_half_precision_trains_a_float32_drafter_for_it(world, dty
         verifier = load(world["folders"]["llama"])[0].to(getattr(torch, name))
         drafter = BlockDiffusionDrafter.from_pretrained(out, verifier, tokenizer=tokenizer)
         check_greedy_lossless(verifier, prompt, drafter, max_new_tokens=20)
+
+
+def test_features_in_bfloat16_come_from_the_float32_answers_and_train_a_float32_drafter(world, tmp_path, one_thread):
+    """`--feature-dtype bfloat16`: the features stage alone runs a bfloat16 copy of the verifier, over the answers
+    the float32 verifier gave (the same folder a float32 run reads), into a feature folder of its own; the verifier
+    the drafter trains and decodes with stays float32."""
+    out = tmp_path / "drafter"
+    train_for(world, "llama", "block", "--out", str(out))  # the float32 answers and features
+    train_for(world, "llama", "block", "--feature-dtype", "bfloat16", "--out", str(out))
+    model, tokenizer = load(world["folders"]["llama"])
+    work = train.verifier_work_dir(world["work"], verifier_fingerprint(model))
+    assert not list(work.glob("generated-*-bfloat16"))
+    (half,) = work.glob("features-*-bfloat16")
+    (full,) = [p for p in work.glob("features-*") if p.name == half.name.removesuffix("-bfloat16")]
+    ids = [np.fromfile(folder / "ids.bin", dtype=np.int32) for folder in (full, half)]
+    hidden = [np.fromfile(folder / "hidden.bin", dtype=np.float16) for folder in (full, half)]
+    np.testing.assert_array_equal(*ids)
+    assert not np.array_equal(*hidden)  # rounded differently: recorded by another precision
+    summary = json.loads((out / "training.json").read_text())
+    assert (summary["verifier_dtype"], summary["feature_dtype"]) == ("float32", "bfloat16")
+    drafter = BlockDiffusionDrafter.from_pretrained(out, model, tokenizer=tokenizer)
+    check_greedy_lossless(model, encode_prompt(tokenizer, "Explain glue in one line."), drafter, max_new_tokens=20)
 
 
 def test_the_ar_baseline_trains_for_a_verifier_without_llama_fields(world, one_thread):

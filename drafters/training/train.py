@@ -29,6 +29,7 @@ Seeded: the same command on the same data gives the same batches, resumed or not
 from __future__ import annotations
 
 import argparse
+import copy
 import hashlib
 import json
 import math
@@ -60,6 +61,7 @@ from drafters.training.distill import (
     generate_shards,
     interleave,
     load_sequences,
+    precision_suffix,
     split,
     synthetic_answers_name,
     synthetic_turns_name,
@@ -100,6 +102,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--doc-tokens", type=int, default=30_000, help="tokens of local documents (stdlib, pydoc) to add")
     p.add_argument(
         "--feature-batch-tokens", type=int, default=4096, help="tokens per verifier pass in the features stage"
+    )
+    p.add_argument(
+        "--feature-dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default=None,
+        help="the verifier's dtype for the features stage alone (default: --dtype). bfloat16 records features several "
+        "times faster on a CPU with bfloat16 matrix units, from the same float32 answers; the features are stored in "
+        "float16 either way",
     )
     p.add_argument("--steps", type=int, default=1100)
     p.add_argument(
@@ -321,10 +331,14 @@ def data_stages(args, verifier, tokenizer, work: Path) -> Path:
         layers = tuple(BlockDiffusionConfig.for_verifier(verifier).target_layers)
     gen_name = gen_dir.name
     data = f"g{shards}" if gen_name == "generated" else f"{gen_name.removeprefix('generated-')}-g{shards}"
-    feature_dir = work / f"features-{data}-d{args.doc_tokens}-l{'_'.join(map(str, layers))}"
+    feature_dtype = args.feature_dtype or args.dtype
+    suffix = "" if feature_dtype == args.dtype else precision_suffix(feature_dtype)
+    feature_dir = work / f"features-{data}-d{args.doc_tokens}-l{'_'.join(map(str, layers))}{suffix}"
     if not (feature_dir / "meta.json").exists():
         sequences = load_sequences(gen_dir, tokenizer, args.doc_tokens, max_shards=shards)
-        build_features(verifier, sequences, feature_dir, layers, batch_tokens=args.feature_batch_tokens)
+        # A copy in the features' dtype: the answers above and the training below keep the verifier's own.
+        teacher = verifier if not suffix else copy.deepcopy(verifier).to(getattr(torch, feature_dtype))
+        build_features(teacher, sequences, feature_dir, layers, batch_tokens=args.feature_batch_tokens)
     return feature_dir
 
 
@@ -545,6 +559,7 @@ def train(args, verifier, store: FeatureStore, out: Path, run_dir: Path, acceler
         "sequences": len(train_ids),
         "device": str(device),
         "verifier_dtype": str(verifier.dtype).removeprefix("torch."),
+        "feature_dtype": args.feature_dtype or args.dtype,
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "threads": torch.get_num_threads(),
         "command": "python -m drafters.training.train " + " ".join(sys.argv[1:]),
