@@ -76,9 +76,10 @@ python -m experiments.heldout --block $W/ft-recipe-nk-keep4-g3 --passes 1,2,3,7 
 for run in ft-recipe-nk ft-recipe-nk-r025 ft-recipe-nk-keep4 ft-recipe-nk-keep4-g3; do
     cp $W/$run/training.json runs/heldout/$run-training.json
 done
-# The shipped block model: the GPU base trained on in two stages on 2 cores (2,600 steps on three shards of answers,
-# then 2,000 on six), reading the nearest known token; its prior rebuilt (one entry per drafter setting); scored
-# offline on the held-out answers and on the answers to our dev-chat questions (novel text), then in the bench.
+# The shipped block model: the GPU base trained on in three stages on 2 cores (2,600 steps on three shards of answers,
+# then 2,000 on six, then 2,000 on all thirteen with features recorded in bfloat16), reading the nearest known token;
+# its prior rebuilt (one entry per drafter setting); scored offline on the held-out answers and on the answers to our
+# dev-chat questions (novel text), then in the bench.
 mkdir -p runs/shipped-block
 python -m drafters.training.train --arch block --init-from drafters/checkpoints/smollm2-135m-block-gpu --work-dir $W \
     --gen-shards 3 --gen-batch 512 --synthetic-prompts 8000 --doc-tokens 20000 --seqs-per-step 8 --anchors-per-seq 64 \
@@ -89,35 +90,34 @@ python -m drafters.training.train --arch block --init-from $W/ft-recipe-nk-long-
     --gen-shards 6 --gen-batch 512 --synthetic-prompts 8000 --doc-tokens 20000 --seqs-per-step 8 --anchors-per-seq 64 \
     --block-size 8 --layers 2 --gamma 2 --lr 5e-4 --steps 2000 --eval-every 500 --save-every 100 \
     --masked-input nearest_known --reveal-scheme prefix --reveal-prob 0.5 --threads 2 --out $W/ft-recipe-nk-cont-g6 \
+    | tee runs/shipped-block/training-stage2.log
+python -m drafters.training.train --arch block --init-from $W/ft-recipe-nk-cont-g6 --work-dir $W \
+    --gen-shards 13 --gen-batch 512 --synthetic-prompts 8000 --doc-tokens 20000 --feature-dtype bfloat16 \
+    --seqs-per-step 8 --anchors-per-seq 64 --block-size 8 --layers 2 --gamma 2 --lr 3e-4 --steps 2000 \
+    --eval-every 500 --save-every 100 --masked-input nearest_known --reveal-scheme prefix --reveal-prob 0.5 \
+    --threads 2 --out $W/ft-recipe-nk-g13 \
     | tee runs/shipped-block/training.log  # copy it to drafters/checkpoints/smollm2-135m-block to ship it
 rm -f drafters/checkpoints/smollm2-135m-block/scheduler_prior.json
 python -m experiments.scheduler_prior --num-prompts 8 --max-new-tokens 256
 python -m experiments.scheduler_prior --refill-below 0.3 --num-prompts 8 --max-new-tokens 256
-python -m experiments.heldout --block $W/ft-recipe-nk-long-g3 --block drafters/checkpoints/smollm2-135m-block \
-    --passes 1,2,3,7 --reveal --fill --refill-below 0,0.3 --ngram-store drafters/checkpoints/smollm2-135m-ngram \
+python -m experiments.heldout --block $W/ft-recipe-nk-cont-g6 --block drafters/checkpoints/smollm2-135m-block \
+    --passes 1,2,3,4,7 --reveal --fill --refill-below 0,0.3 --ngram-store drafters/checkpoints/smollm2-135m-ngram \
     --max-ngrams 32 --prefer-store 0.5 --lookup 7 --anchors-per-answer 16 | tee runs/shipped-block/heldout.md
 python -m drafters.training.answer_sets prompts --prompts experiments/prompts/dev-chat.jsonl \
     --out drafters/checkpoints/smollm2-135m-dev-chat --batch-size 16 --max-new-tokens 256
 python -m experiments.heldout --answers drafters/checkpoints/smollm2-135m-dev-chat \
-    --block $W/ft-recipe-nk-long-g3 --block drafters/checkpoints/smollm2-135m-block --passes 1,3,7 --fill \
+    --block $W/ft-recipe-nk-cont-g6 --block drafters/checkpoints/smollm2-135m-block --passes 1,3,7 --fill \
     --refill-below 0,0.3 --ngram-store drafters/checkpoints/smollm2-135m-ngram --max-ngrams 32 --prefer-store 0.5 \
     --lookup 7 --anchors-per-answer 48 | tee runs/shipped-block/dev-chat.md
 python -m experiments.heldout --answers drafters/checkpoints/smollm2-135m-dev-chat \
     --block drafters/checkpoints/smollm2-135m-block-gpu --passes 1,7 --fill --branch 0,2 \
     --ngram-store drafters/checkpoints/smollm2-135m-ngram --max-ngrams 32 --prefer-store 0.5 --lookup 7 \
     --anchors-per-answer 48 | tee runs/shipped-block/dev-chat-base.md
-python -m experiments.heldout --block drafters/checkpoints/smollm2-135m-block --passes 1,4,5 --anchors-per-answer 16 \
-    | tee runs/shipped-block/passes.md
 python -m experiments.verify_costs | tee runs/shipped-block/verify-costs.txt
 for set in heldout mt-bench humaneval dev; do
     mkdir -p runs/shipped-block/bench-$set && python -m experiments.bench --dataset $set --num-prompts 8 \
         --max-new-tokens 256 --repeats 1 --methods plain,hybrid-default,hybrid-match-store \
         --out runs/shipped-block/bench-$set | tee runs/shipped-block/bench-$set/table.txt
-done
-for set in heldout mt-bench humaneval dev; do  # the default alone against plain (its passes, as shipped)
-    mkdir -p runs/shipped-block/passes-$set && python -m experiments.bench --dataset $set --num-prompts 8 \
-        --max-new-tokens 256 --repeats 1 --methods plain,hybrid-default \
-        --out runs/shipped-block/passes-$set | tee runs/shipped-block/passes-$set/table.txt
 done
 for set in heldout mt-bench; do
     mkdir -p runs/shipped-block/bench-sampling-$set && python -m experiments.bench --dataset $set --num-prompts 8 \
