@@ -140,11 +140,11 @@ def test_features_in_bfloat16_come_from_the_float32_answers_and_train_a_float32_
     """`--feature-dtype bfloat16`: the features stage alone runs a bfloat16 copy of the verifier, over the answers
     the float32 verifier gave (the same folder a float32 run reads), into a feature folder of its own; the verifier
     the drafter trains and decodes with stays float32."""
-    out = tmp_path / "drafter"
-    train_for(world, "llama", "block", "--out", str(out))  # the float32 answers and features
-    train_for(world, "llama", "block", "--feature-dtype", "bfloat16", "--out", str(out))
+    out, own = tmp_path / "drafter", ["--work-dir", str(tmp_path / "work")]  # a work folder no other test writes
+    train_for(world, "llama", "block", *own, "--out", str(out))  # the float32 answers and features
+    train_for(world, "llama", "block", *own, "--feature-dtype", "bfloat16", "--out", str(out))
     model, tokenizer = load(world["folders"]["llama"])
-    work = train.verifier_work_dir(world["work"], verifier_fingerprint(model))
+    work = train.verifier_work_dir(tmp_path / "work", verifier_fingerprint(model))
     assert not list(work.glob("generated-*-bfloat16"))
     (half,) = work.glob("features-*-bfloat16")
     (full,) = [p for p in work.glob("features-*") if p.name == half.name.removesuffix("-bfloat16")]
