@@ -158,6 +158,19 @@ def test_features_in_bfloat16_come_from_the_float32_answers_and_train_a_float32_
     check_greedy_lossless(model, encode_prompt(tokenizer, "Explain glue in one line."), drafter, max_new_tokens=20)
 
 
+def test_float32_features_of_a_bfloat16_verifier_are_recorded_in_float32(world, tmp_path, one_thread):
+    """`--dtype bfloat16 --feature-dtype float32`: the answers are the bfloat16 verifier's, the features a float32
+    copy's, in a folder named for them (not the bfloat16 features' folder, which a --dtype bfloat16 run reads)."""
+    out, own = tmp_path / "drafter", ["--work-dir", str(tmp_path / "work")]
+    train_for(world, "llama", "block", *own, "--dtype", "bfloat16", "--feature-dtype", "float32", "--out", str(out))
+    model, _ = load(world["folders"]["llama"])
+    work = train.verifier_work_dir(tmp_path / "work", verifier_fingerprint(model.to(torch.bfloat16)))
+    assert [p.name for p in work.glob("generated-*-bfloat16")]
+    assert [p.name for p in work.glob("features-*-bfloat16-*-float32")]
+    summary = json.loads((out / "training.json").read_text())
+    assert (summary["verifier_dtype"], summary["feature_dtype"]) == ("bfloat16", "float32")
+
+
 def test_the_ar_baseline_trains_for_a_verifier_without_llama_fields(world, one_thread):
     from drafters.ar_baseline import load_ar_model
 

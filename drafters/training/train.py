@@ -61,7 +61,6 @@ from drafters.training.distill import (
     generate_shards,
     interleave,
     load_sequences,
-    precision_suffix,
     split,
     synthetic_answers_name,
     synthetic_turns_name,
@@ -331,15 +330,21 @@ def data_stages(args, verifier, tokenizer, work: Path) -> Path:
         layers = tuple(BlockDiffusionConfig.for_verifier(verifier).target_layers)
     gen_name = gen_dir.name
     data = f"g{shards}" if gen_name == "generated" else f"{gen_name.removeprefix('generated-')}-g{shards}"
-    feature_dtype = args.feature_dtype or args.dtype
-    suffix = "" if feature_dtype == args.dtype else precision_suffix(feature_dtype)
+    dtype = feature_dtype(args)
+    # Named by their dtype where it is not the answers' (whose folder name already carries theirs).
+    suffix = "" if dtype == args.dtype else f"-{dtype}"
     feature_dir = work / f"features-{data}-d{args.doc_tokens}-l{'_'.join(map(str, layers))}{suffix}"
     if not (feature_dir / "meta.json").exists():
         sequences = load_sequences(gen_dir, tokenizer, args.doc_tokens, max_shards=shards)
         # A copy in the features' dtype: the answers above and the training below keep the verifier's own.
-        teacher = verifier if not suffix else copy.deepcopy(verifier).to(getattr(torch, feature_dtype))
+        teacher = verifier if dtype == args.dtype else copy.deepcopy(verifier).to(getattr(torch, dtype))
         build_features(teacher, sequences, feature_dir, layers, batch_tokens=args.feature_batch_tokens)
     return feature_dir
+
+
+def feature_dtype(args) -> str:
+    """The verifier's dtype in the features stage: --feature-dtype, else the verifier's own (--dtype)."""
+    return args.feature_dtype or args.dtype
 
 
 def recipe_tag(args) -> str:
@@ -559,7 +564,7 @@ def train(args, verifier, store: FeatureStore, out: Path, run_dir: Path, acceler
         "sequences": len(train_ids),
         "device": str(device),
         "verifier_dtype": str(verifier.dtype).removeprefix("torch."),
-        "feature_dtype": args.feature_dtype or args.dtype,
+        "feature_dtype": feature_dtype(args),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "threads": torch.get_num_threads(),
         "command": "python -m drafters.training.train " + " ".join(sys.argv[1:]),
