@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from schedulers.adaptive import default_scheduler
+from schedulers.cost_model import prepare_kernels
 from verifiers.embedded import load_verifier
 
 # The shipped block-diffusion drafter for this verifier: rebuilt by `python -m drafters.training.train`.
@@ -56,11 +57,13 @@ def load_default(device: str | torch.device = "cpu", dtype: torch.dtype = torch.
     spreads the verifier).
 
     float32 is the default because on CPUs it is faster than bfloat16 for this model. The default scheduler's
-    one-time verify-cost probe (~3 s on a CPU, then cached on disk) runs here, not inside the first generate call.
+    one-time verify-cost probe (about 25 s on a 2-core CPU, then cached on disk) runs here, not inside the first
+    generate call, and so does what the kernels it chose need made first (`schedulers.cost_model.prepare_kernels`).
     """
     model, tokenizer = load_verifier(device, dtype, device_map)
     drafter = default_drafter(model, tokenizer)
     default_scheduler(drafter, model).reset(drafter, model)
+    prepare_kernels(model)
     return model, tokenizer, drafter
 
 

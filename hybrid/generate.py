@@ -272,14 +272,14 @@ def generate(
             f"drafter must be a drafters.Drafter (or None for plain decoding), got {type(drafter).__name__}"
         )
     static = config.cache_implementation == "static"
-    weight_left_rows, forward_costs = cached_kernel_choice(model)  # the cached choice, never a measurement here
+    row_kernels, forward_costs = cached_kernel_choice(model)  # the cached choice, never a measurement here
     verifier = Verifier(
         model,
         hidden_layers=drafter.hidden_layers if drafter is not None else (),
         static=static,
         max_width=1 + (drafter.node_budget if drafter is not None else 0),
         compile_config=_compile_config(model, config) if static else None,
-        weight_left_rows=weight_left_rows,
+        row_kernels=row_kernels,
         forward_costs=forward_costs,
     )
     _check_context(verifier, prompt_len, config.max_length)
@@ -326,7 +326,7 @@ def generate(
         keep_scores=bool(config.return_dict_in_generate and config.output_scores),
         keep_logits=bool(config.return_dict_in_generate and config.output_logits),
     )
-    with torch.inference_mode():
+    with torch.inference_mode(), verifier.kernels():
         if verifier.batches or batch == 1:
             result = decode(verifier, drafter, scheduler, prompts, **settings)
             sequences, stats = result.sequences, result.stats

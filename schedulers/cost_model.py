@@ -1,12 +1,13 @@
 """What a verify of m positions costs on this device, and which matrix kernel it runs, measured, not assumed.
 
-The curve is not smooth, and which kernel serves a width best depends on the CPU: on the 2-core CPU this project
+The curve is not smooth, and which kernel serves a width best depends on the CPU: on one 2-core CPU this project
 is measured on, SmolLM2-135M costs about as much for m = 2-4 as for m = 1 when its linears put the weight on the
 left (`verifiers.kernels`), and twice as much through PyTorch's own kernel; on another CPU it is the other way
-round. So every m from 1 to 17 and tree widths up to 65 are timed with each kernel, the kernels taking turns at
-each m (best of 3 forwards on a 64-token context), and each width gets the faster kernel (PyTorch's own unless the
-other beats it by `KERNEL_MARGIN`), so a step never costs more than PyTorch's forward of the same width. That is
-64 forwards per kernel, about 17 s for SmolLM2-135M on the 2-core CPU (from its per-width costs), once per
+round, and there oneDNN's product on reordered weights cuts m = 4-16 by a quarter. So every m from 1 to 17 and
+tree widths up to 65 are timed with each kernel, the kernels taking turns at each m (best of 3 forwards on a
+64-token context), and each width gets the fastest kernel (PyTorch's own unless another beats it by
+`KERNEL_MARGIN`), so a step never costs more than PyTorch's forward of the same width. That is 64 forwards per
+kernel, about 25 s for SmolLM2-135M on a 2-core CPU, once per
 (model, dtype, device, CPU or GPU model, threads), inside the first call that needs the table
 (`python -m experiments.verify_costs` measures it ahead of time instead); the table and the choice are cached on
 disk together and later runs read them in well under a millisecond. Sizes between are interpolated and beyond the
@@ -33,7 +34,7 @@ from transformers import DynamicCache
 
 from verifiers.cache import learned_position_limit
 from verifiers.embedded import cache_dir
-from verifiers.kernels import KERNELS, chosen_kernels, cpu_linears, force_kernel
+from verifiers.kernels import KERNELS, chosen_kernels, cpu_linears, force_kernel, prepare
 
 # Every width of a chain of up to 16 drafts + the pending token, then tree widths (the curve is smooth there).
 PROBE_SIZES = (*range(1, 18), 24, 33, 49, 65)
@@ -105,12 +106,13 @@ def _forward_each(model, cache, length, sizes, kernels, linears, generator, cost
         for kernel in kernels:
             tokens = torch.randint(0, vocab, (1, m), generator=generator).to(model.device)
             positions = torch.arange(length, length + m, device=model.device)[None]
-            _sync(model)
-            start = time.perf_counter()
-            with force_kernel(kernel), chosen_kernels(linears, frozenset()):
+            # Installed outside the timing, as a call installs its kernels once (`Verifier.kernels`).
+            with force_kernel(kernel), chosen_kernels(linears, {}):
+                _sync(model)
+                start = time.perf_counter()
                 model(tokens, position_ids=positions, cache=cache, use_cache=True)
-            _sync(model)
-            costs[kernel][m] = min(costs[kernel][m], time.perf_counter() - start)  # the least disturbed
+                _sync(model)
+                costs[kernel][m] = min(costs[kernel][m], time.perf_counter() - start)  # the least disturbed
             cache.crop(-m)
 
 
@@ -197,19 +199,21 @@ class VerifyCostModel:
         return self.factors[min(same, key=lambda key: (abs(key[0] - rows), key[0]))]
 
     def kernel(self, m: int) -> str:
-        """The kernel a forward of m fed rows runs: a probed width's choice; between two probed widths "weight-left"
-        only where both chose it; past the table PyTorch's own."""
+        """The kernel a forward of m fed rows runs: a probed width's choice; between two probed widths another
+        kernel than PyTorch's only where both chose it; past the table PyTorch's own."""
         if m in self.kernels:
             return self.kernels[m]
         below = [s for s in self.sizes if s < m]
         above = [s for s in self.sizes if s > m]
-        if below and above and self.kernels[below[-1]] == self.kernels[above[0]] == "weight-left":
-            return "weight-left"
+        if below and above and self.kernels[below[-1]] == self.kernels[above[0]]:
+            return self.kernels[below[-1]]
         return "torch"
 
-    def weight_left_rows(self) -> frozenset[int]:
-        """The row counts whose products run as (W @ x.T).T: what a `Verifier` takes as `weight_left_rows`."""
-        return frozenset(m for m in range(1, self.sizes[-1] + 1) if self.kernel(m) == "weight-left")
+    def row_kernels(self) -> dict[int, str]:
+        """Each row count whose products run another kernel than PyTorch's, and that kernel: what a `Verifier`
+        takes as `row_kernels`."""
+        chosen = {m: self.kernel(m) for m in range(1, self.sizes[-1] + 1)}
+        return {m: kernel for m, kernel in chosen.items() if kernel != "torch"}
 
     def observe(self, m: int, seconds: float) -> None:
         """Fold one measured verify of one sequence feeding m positions (`observe_step`)."""
@@ -252,12 +256,19 @@ def _table_path(model) -> Path:
     return tables_dir() / f"{device_key(model)}.json"
 
 
-def cached_kernel_choice(model) -> tuple[frozenset[int], dict[int, float]]:
-    """What a `Verifier` takes from the cached table of `model`, read once: the row counts it runs weight-left
-    (`weight_left_rows`) and the seconds of a forward feeding n tokens, by n (`forward_costs`). None and empty while
-    no table is cached: PyTorch's kernels everywhere, so a plain step is never slower than `generate`'s and never
-    waits for a measurement (nothing is measured here)."""
+def cached_kernel_choice(model) -> tuple[dict[int, str], dict[int, float]]:
+    """What a `Verifier` takes from the cached table of `model`, read once: the row counts it runs through another
+    kernel than PyTorch's, with that kernel (`row_kernels`), and the seconds of a forward feeding n tokens, by n
+    (`forward_costs`). Both empty while no table is cached: PyTorch's kernels everywhere, so a plain step is never
+    slower than `generate`'s and never waits for a measurement (nothing is measured here)."""
     table = VerifyCostModel.cached(model) if cpu_linears(model) else None
     if table is None:
-        return frozenset(), {}
-    return table.weight_left_rows(), dict(zip(table.sizes, table.table))
+        return {}, {}
+    return table.row_kernels(), dict(zip(table.sizes, table.table))
+
+
+def prepare_kernels(model) -> None:
+    """Make what the kernels of `model`'s cached table need before any call runs them (`verifiers.kernels.prepare`):
+    otherwise the first call that feeds a width they serve pays for it."""
+    row_kernels, _ = cached_kernel_choice(model)
+    prepare(cpu_linears(model), set(row_kernels.values()))

@@ -17,51 +17,84 @@ from torch import nn
 import hybrid
 from drafters import PromptLookupDrafter
 from hybrid.testing import tiny_model
-from schedulers import cost_model
+from schedulers import FixedScheduler, cost_model
 from schedulers.cost_model import KERNEL_MARGIN, VerifyCostModel, cached_kernel_choice, choose_kernels
 from verifiers import kernels
-from verifiers.kernels import KERNELS, chosen_kernels, cpu_linears, force_kernel, weight_left_linear
+from verifiers import verifier as verifier_module
+from verifiers.kernels import KERNELS, chosen_kernels, cpu_linears, force_kernel, packed_linear, weight_left_linear
 
 IDS = torch.tensor([[1, 2, 3, 1, 2, 3, 1, 2]])
 
 
+needs_packed = pytest.mark.skipif("packed" not in KERNELS, reason="this PyTorch has no oneDNN")
+KERNEL_LINEARS = [weight_left_linear, pytest.param(packed_linear, marks=needs_packed)]
+
+
+@pytest.mark.parametrize("kernel", KERNEL_LINEARS, ids=["weight-left", "packed"])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("shape", [(1, 576), (2, 576), (1, 3, 576), (2, 4, 576), (8, 576), (1, 9, 576), (0, 576)])
-def test_weight_left_linear_is_the_linear(shape, bias):
+def test_each_kernel_is_the_linear(kernel, shape, bias):
     layer = nn.Linear(576, 100, bias=bias)
     x = torch.randn(shape)
-    out = weight_left_linear(layer, x)
+    out = kernel(layer, x)
     assert out.shape == (*shape[:-1], 100) and out.is_contiguous()
     torch.testing.assert_close(out, nn.functional.linear(x, layer.weight, layer.bias))
 
 
-def weight_left_rows_seen():
-    """A spy on the weight-left kernel: the row counts it computed, in order."""
-    seen = []
+@needs_packed
+def test_a_packed_weight_follows_changes_to_the_modules_weight():
+    """The reordered copy is the weight's as it is now: changed in place (as `load_state_dict` does), or replaced."""
+    layer = nn.Linear(64, 32)
+    x = torch.randn(3, 64)
+    packed_linear(layer, x)
+    with torch.no_grad():
+        layer.weight.mul_(-2.0)
+    torch.testing.assert_close(packed_linear(layer, x), nn.functional.linear(x, layer.weight, layer.bias))
+    layer.load_state_dict(nn.Linear(64, 32).state_dict())
+    torch.testing.assert_close(packed_linear(layer, x), nn.functional.linear(x, layer.weight, layer.bias))
+    layer.weight = nn.Parameter(torch.randn(32, 64))
+    torch.testing.assert_close(packed_linear(layer, x), nn.functional.linear(x, layer.weight, layer.bias))
+
+
+def rows_seen(kernel: str = "weight-left"):
+    """A spy on one kernel: the row counts it computed, in order."""
+    name = {"weight-left": "weight_left_linear", "packed": "packed_linear"}[kernel]
+    real, seen = getattr(kernels, name), []
 
     def spy(module, x):
         seen.append(x.numel() // x.shape[-1])
-        return weight_left_linear(module, x)
+        return real(module, x)
 
-    return seen, mock.patch.object(kernels, "weight_left_linear", spy)
+    return seen, mock.patch.object(kernels, name, spy)
 
 
 def test_each_row_count_runs_its_chosen_kernel():
     layer = nn.Linear(8, 8)
-    seen, spy = weight_left_rows_seen()
-    with spy, chosen_kernels([layer], frozenset({2, 4})):
+    seen, spy = rows_seen()
+    with spy, chosen_kernels([layer], {2: "weight-left", 4: "weight-left", 5: "torch"}):
         for rows in (1, 2, 3, 4, 5):
             layer(torch.randn(rows, 8))
     assert seen == [2, 4]
-    with spy, force_kernel("weight-left"), chosen_kernels([layer], frozenset()):
+    with spy, force_kernel("weight-left"), chosen_kernels([layer], {}):
         layer(torch.randn(1, 8)), layer(torch.randn(7, 8))
     assert seen == [2, 4, 1, 7]
-    with spy, force_kernel("torch"), chosen_kernels([layer], frozenset({2})):
+    with spy, force_kernel("torch"), chosen_kernels([layer], {2: "weight-left"}):
         layer(torch.randn(2, 8))
         assert "forward" not in vars(layer)  # PyTorch's own forward, untouched
     assert seen == [2, 4, 1, 7]
     with pytest.raises(ValueError, match="kernel 'mkl' is not one of"), force_kernel("mkl"):
         pass
+
+
+@needs_packed
+def test_row_counts_of_one_block_run_different_kernels():
+    layer = nn.Linear(8, 8)
+    (left, left_spy), (packed, packed_spy) = rows_seen("weight-left"), rows_seen("packed")
+    with left_spy, packed_spy, chosen_kernels([layer], {2: "weight-left", 4: "packed", 6: "packed"}):
+        for rows in (1, 2, 3, 4, 6):
+            out = layer(x := torch.randn(rows, 8))
+            torch.testing.assert_close(out, nn.functional.linear(x, layer.weight, layer.bias))
+    assert left == [2] and packed == [4, 6]
 
 
 def test_only_linears_whose_product_is_reproduced_are_routed():
@@ -76,7 +109,7 @@ def test_only_linears_whose_product_is_reproduced_are_routed():
 
 def test_the_block_leaves_the_modules_as_they_were_and_nests():
     layer = nn.Linear(4, 4)
-    rows = frozenset({2})
+    rows = {2: "weight-left"}
     with chosen_kernels([layer], rows):
         assert "forward" in vars(layer)
         with chosen_kernels([layer], rows):
@@ -90,18 +123,20 @@ def test_the_block_leaves_the_modules_as_they_were_and_nests():
 
 def test_a_block_of_a_known_row_count_pytorch_serves_installs_nothing():
     layer = nn.Linear(4, 4)
-    with chosen_kernels([layer], frozenset({2}), rows=1):
+    with chosen_kernels([layer], {2: "weight-left"}, rows=1):
         assert "forward" not in vars(layer)  # PyTorch's own product, as without the block
-    with chosen_kernels([layer], frozenset({2}), rows=2):
+    with chosen_kernels([layer], {2: "torch"}, rows=2):
+        assert "forward" not in vars(layer)
+    with chosen_kernels([layer], {2: "weight-left"}, rows=2):
         assert "forward" in vars(layer)
-    with force_kernel("weight-left"), chosen_kernels([layer], frozenset({2}), rows=1):
+    with force_kernel("weight-left"), chosen_kernels([layer], {2: "weight-left"}, rows=1):
         assert "forward" in vars(layer)  # forced: every row count
     assert "forward" not in vars(layer)
 
 
 def test_a_forward_the_user_sets_during_the_block_is_kept():
     layer = nn.Linear(4, 4)
-    with chosen_kernels([layer], frozenset({2})):
+    with chosen_kernels([layer], {2: "weight-left"}):
         layer.forward = own = lambda x: x
     assert vars(layer)["forward"] is own
 
@@ -113,7 +148,7 @@ def test_concurrent_blocks_leave_the_modules_as_they_were():
 
     def work():
         for _ in range(200):
-            with chosen_kernels([layer], frozenset({3})):
+            with chosen_kernels([layer], {3: "weight-left"}):
                 if not torch.allclose(layer(x), nn.functional.linear(x, layer.weight, layer.bias), atol=1e-6):
                     errors.append("wrong product")
 
@@ -128,9 +163,9 @@ def test_concurrent_blocks_leave_the_modules_as_they_were():
 def test_another_thread_outside_a_block_gets_pytorchs_own_product():
     layer = nn.Linear(64, 64)
     x = torch.randn(3, 64)
-    seen, spy = weight_left_rows_seen()
+    seen, spy = rows_seen()
     outside = []
-    with spy, force_kernel("weight-left"), chosen_kernels([layer], frozenset({3})):
+    with spy, force_kernel("weight-left"), chosen_kernels([layer], {3: "weight-left"}):
         thread = threading.Thread(target=lambda: outside.append(layer(x)))
         thread.start()
         thread.join()
@@ -179,17 +214,23 @@ def test_a_width_gets_the_faster_kernel_and_pytorchs_within_the_margin():
 
 def test_the_cost_table_exposes_the_kernel_of_every_width():
     table = VerifyCostModel(
-        {1: 1.0, 2: 1.0, 4: 1.0, 8: 2.0, 16: 3.0}, {2: "weight-left", 4: "weight-left", 16: "weight-left"}
+        {1: 1.0, 2: 1.0, 4: 1.0, 8: 2.0, 12: 2.0, 16: 3.0},
+        {2: "weight-left", 4: "weight-left", 8: "packed", 12: "packed", 16: "weight-left"},
     )
     assert [table.kernel(m) for m in range(1, 18)] == [
         "torch",
         *["weight-left"] * 3,
-        *["torch"] * 11,
+        *["torch"] * 3,  # between two kernels: PyTorch's own
+        *["packed"] * 5,
+        *["torch"] * 3,
         "weight-left",
         "torch",
     ]
-    assert table.weight_left_rows() == {2, 3, 4, 16}
-    assert VerifyCostModel({1: 1.0, 5: 2.0}).weight_left_rows() == frozenset()  # no choice given: PyTorch's
+    assert table.row_kernels() == {
+        **dict.fromkeys([2, 3, 4, 16], "weight-left"),
+        **dict.fromkeys(range(8, 13), "packed"),
+    }
+    assert VerifyCostModel({1: 1.0, 5: 2.0}).row_kernels() == {}  # no choice given: PyTorch's
 
 
 def test_the_choice_is_cached_with_the_cost_table_and_read_without_measuring(tmp_path, monkeypatch):
@@ -197,13 +238,13 @@ def test_the_choice_is_cached_with_the_cost_table_and_read_without_measuring(tmp
     model = tiny_model("llama", 64, 1, seed=0)
     curves = {"torch": {1: 1.0, 2: 2.0, 3: 2.0}, "weight-left": {1: 1.0, 2: 1.0, 3: 3.0}}
     monkeypatch.setattr(cost_model, "measure_verify_costs", lambda model: curves)
-    assert cached_kernel_choice(model)[0] == frozenset()  # nothing cached: PyTorch's kernels, nothing measured
+    assert cached_kernel_choice(model)[0] == {}  # nothing cached: PyTorch's kernels, nothing measured
     measured = VerifyCostModel.for_model(model)
     assert measured.kernels == {1: "torch", 2: "weight-left", 3: "torch"}
     monkeypatch.setattr(cost_model, "measure_verify_costs", mock.Mock(side_effect=AssertionError("measured again")))
     cached = VerifyCostModel.for_model(model)
     assert cached.kernels == measured.kernels and cached.table == measured.table
-    assert cached_kernel_choice(model)[0] == {2}
+    assert cached_kernel_choice(model)[0] == {2: "weight-left"}
     (tmp_path / "costs" / f"{cost_model.device_key(model)}.json").write_text('{"1": 0.1}')  # not a table
     assert VerifyCostModel.cached(model) is None
 
@@ -226,7 +267,7 @@ def test_a_plain_step_runs_the_kernel_chosen_for_its_batch_width(batch, tmp_path
     model = tiny_model("llama", 64, 1, seed=0)
     VerifyCostModel({1: 1.0, 2: 1.0, 3: 2.0}, {2: "weight-left"}).save(model)
     monkeypatch.setattr(cost_model, "measure_verify_costs", mock.Mock(side_effect=AssertionError("measured")))
-    seen, spy = weight_left_rows_seen()
+    seen, spy = rows_seen()
     ids = IDS.expand(batch, -1)
     with spy:
         out = hybrid.generate(model, ids, drafter=None, max_new_tokens=4, do_sample=False)
@@ -286,3 +327,39 @@ def test_a_padded_one_token_step_feeds_two_positions_and_gives_generates_output(
 def test_greedy_properties_hold_with_every_verify_padded(prop):
     with every_forward_padded():
         KERNEL_PROPERTY(given(data=st.data())(prop.hypothesis.inner_test))()
+
+
+def test_a_call_installs_its_kernels_once_and_leaves_the_model_as_it_was(tmp_path, monkeypatch):
+    """Installing the dispatch around each forward costs milliseconds on a real model: a call installs it once."""
+    monkeypatch.setenv("HYBRID_COSTS", str(tmp_path / "costs"))
+    model = tiny_model("llama", 64, 2, seed=0)
+    VerifyCostModel({1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0}, {3: "weight-left", 4: "weight-left"}).save(model)
+    monkeypatch.setattr(cost_model, "measure_verify_costs", mock.Mock(side_effect=AssertionError("measured")))
+    blocks, real = [], verifier_module.chosen_kernels
+    monkeypatch.setattr(verifier_module, "chosen_kernels", lambda *a, **k: blocks.append(a[1]) or real(*a, **k))
+    seen, spy = rows_seen()
+    with spy:
+        out = hybrid.generate(
+            model, IDS, drafter=PromptLookupDrafter(), scheduler=FixedScheduler(2), max_new_tokens=12, do_sample=False
+        )
+    assert torch.equal(out, model.generate(IDS, max_new_tokens=12, do_sample=False))
+    assert blocks == [{3: "weight-left", 4: "weight-left"}] and 3 in seen and set(seen) <= {3, 4}
+    assert not any("forward" in vars(m) for m in model.modules())
+
+
+@needs_packed
+def test_the_packed_weights_are_made_before_a_call_needs_them(tmp_path, monkeypatch):
+    """The first forward a packed kernel serves would otherwise reorder every weight (0.2 s on the real verifier)."""
+    monkeypatch.setenv("HYBRID_COSTS", str(tmp_path / "costs"))
+    model = tiny_model("llama", 64, 2, seed=0)
+    linears = cpu_linears(model)
+    cost_model.prepare_kernels(model)  # nothing cached: nothing to make
+    assert not any(module in kernels._PACKED for module in linears)
+    VerifyCostModel({1: 1.0, 2: 1.0, 9: 1.0}, {9: "packed"}).save(model)
+    cost_model.prepare_kernels(model)
+    made = [kernels.packed_weight(module) for module in linears]
+    assert all(kernels.packed_weight(module) is weight for module, weight in zip(linears, made))  # not made again
+    kernels._PACKED.clear()
+    out = hybrid.generate(model, IDS, drafter=None, max_new_tokens=4, do_sample=False)
+    assert torch.equal(out, model.generate(IDS, max_new_tokens=4, do_sample=False))
+    assert all(module in kernels._PACKED for module in linears)  # made on entering the call, though no step ran 9 rows

@@ -142,9 +142,7 @@ def test_without_per_row_masks_rows_run_one_at_a_time(monkeypatch):
 def test_batch_that_does_not_fit_names_the_batch_that_does(monkeypatch):
     model = tiny_model("llama", 48, 2, seed=0)
     # No verify padded by a position (whose slot the capacity would add) on whatever table this machine cached.
-    monkeypatch.setattr(
-        importlib.import_module("hybrid.generate"), "cached_kernel_choice", lambda model: (frozenset(), {})
-    )
+    monkeypatch.setattr(importlib.import_module("hybrid.generate"), "cached_kernel_choice", lambda model: ({}, {}))
     per_row = cache_module.bytes_per_row(model, capacity=5 + 20 + PromptLookupDrafter().max_draft_len + 1)
     monkeypatch.setattr(cache_module, "free_memory_bytes", lambda device: 3 * per_row + 1)
     prompts = torch.randint(1, 48, (5, 5))

@@ -1,13 +1,18 @@
 """The matrix kernel each plain float32 CPU `nn.Linear` of the verifier runs, chosen per number of rows.
 
 A forward of m fed tokens over b rows multiplies every weight by a [b * m, in] input. PyTorch computes that as
-x @ W.T; computed as (W @ x.T).T ("weight-left") the same product streams the weights once, as the one-row
-kernel does. Which is faster depends on the CPU and its BLAS: on one 2-core Xeon the weight-left form halves a
-verify of 2-8 rows, on another it doubles it. So nothing here decides: `schedulers.cost_model` times a forward
-of every width with each kernel on the user's machine, once, and caches the choice with the cost table; a
-`Verifier` runs the row counts where weight-left was measured faster through it (`chosen_kernels`) and leaves
-every other product to PyTorch. `force_kernel` pins one kernel for every row count (the cost probe measures each
-candidate through it, and tests run the losslessness properties under each).
+x @ W.T. Two other forms compute the same product: (W @ x.T).T ("weight-left"), which streams the weights once, as
+the one-row kernel does, and oneDNN's inner product on a copy of the weight reordered once into its blocked layout
+("packed"), which skips the per-call packing PyTorch's kernel does for a few rows. Which is fastest depends on the
+CPU, its BLAS and the row count: on one 2-core Xeon the weight-left form halves a verify of 2-8 rows and doubles it
+on another, where the packed form cuts a verify of 4-16 rows by a quarter and slows one of 1-3. So nothing here
+decides: `schedulers.cost_model` times a forward of every width with each kernel on the user's machine, once, and
+caches the choice with the cost table; a `Verifier` runs each row count through the kernel measured fastest there
+(`chosen_kernels`) and leaves every other product to PyTorch. `force_kernel` pins one kernel for every row count
+(the cost probe measures each candidate through it, and tests run the losslessness properties under each).
+
+The packed form keeps its reordered copy of each weight it has served (as much memory again as those weights)
+for as long as the module lives, and makes a new one when the weight is replaced or changed in place.
 """
 
 from __future__ import annotations
@@ -17,17 +22,22 @@ import contextvars
 import threading
 import types
 import weakref
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-KERNELS = ("torch", "weight-left")  # PyTorch's own x @ W.T, and (W @ x.T).T
+# PyTorch's own x @ W.T, (W @ x.T).T, and oneDNN's product with a reordered weight where PyTorch has oneDNN.
+KERNELS = ("torch", "weight-left", *(("packed",) if torch.backends.mkldnn.is_available() else ()))
+# The row count oneDNN is told to reorder a weight for: one layout serves every row count, and on the Xeons measured
+# one reordered for many rows runs a few rows faster than one reordered for those few.
+PACKED_FOR_ROWS = 64
 
 # What the linear forwards installed by `chosen_kernels` compute in this thread; outside a block (another thread
 # calling the same model, e.g. the user's own `model.generate`) they compute PyTorch's product.
-_WEIGHT_LEFT_ROWS: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
-    "weight_left_rows", default=frozenset()
+_ROW_KERNELS: contextvars.ContextVar[Mapping[int, str]] = contextvars.ContextVar(
+    "row_kernels", default=types.MappingProxyType({})
 )
 _FORCED: contextvars.ContextVar[str | None] = contextvars.ContextVar("forced_kernel", default=None)
 
@@ -41,12 +51,42 @@ def weight_left_linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
+# module -> (the weight it was reordered from, that weight's in-place version, the reordered copy). Holding the
+# weight keeps its memory from being reused by another tensor that could then pass for it.
+_PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def packed_linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """`module(x)` through oneDNN's inner product on a reordered copy of the weight (`packed_weight`)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight(module), module.bias, "none", [], "")
+
+
+def packed_weight(module: nn.Linear) -> torch.Tensor:
+    """The module's weight reordered for oneDNN: made on first use (a few ms per million weights) and again whenever
+    the module's weight is another tensor or was changed in place since."""
+    weight = module.weight
+    entry = _PACKED.get(module)
+    if entry is None or entry[0] is not weight or entry[1] != weight._version:
+        with torch.no_grad():
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKED_FOR_ROWS)
+        entry = _PACKED[module] = (weight, weight._version, packed)
+    return entry[2]
+
+
+def prepare(linears: list[nn.Linear], kernels) -> None:
+    """Make now what the given kernels will need, so that no forward pays for it: the packed kernel's reordered
+    weights (0.2 s for SmolLM2-135M on a 2-core CPU)."""
+    if "packed" in kernels:
+        for module in linears:
+            packed_weight(module)
+
+
 def _chosen_linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    kernel = _FORCED.get()
-    if kernel is None:
-        kernel = "weight-left" if _rows(x) in _WEIGHT_LEFT_ROWS.get() else "torch"
+    kernel = _FORCED.get() or _ROW_KERNELS.get().get(_rows(x), "torch")
     if kernel == "weight-left" and x.shape[-1]:
         return weight_left_linear(module, x)
+    if kernel == "packed" and x.shape[-1]:
+        return packed_linear(module, x)
     return F.linear(x, module.weight, module.bias)
 
 
@@ -86,21 +126,20 @@ _LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
-def chosen_kernels(linears: list[nn.Linear], weight_left_rows: frozenset[int], rows: int | None = None):
-    """Within the block, `linears` compute products of `weight_left_rows` rows as (W @ x.T).T (all of them under
-    `force_kernel("weight-left")`) and the rest through PyTorch. Afterwards every module is as it was: a module that
+def chosen_kernels(linears: list[nn.Linear], row_kernels: dict[int, str], rows: int | None = None):
+    """Within the block, `linears` compute a product of r rows through `row_kernels[r]` (all of them through the
+    kernel of `force_kernel`) and the rest through PyTorch. Afterwards every module is as it was: a module that
     has gained its own `forward` meanwhile is left alone, and concurrent blocks on one model nest.
 
     `rows`: the row count of the block's dense products, when the caller knows it (a forward of every fed position).
     Where PyTorch's kernel serves it, nothing is installed: installing and removing a forward on each of a model's
     hundreds of linears costs milliseconds, a few percent of a CPU step."""
     forced = _FORCED.get()
-    if forced == "torch" or (
-        forced is None and (not weight_left_rows or rows is not None and rows not in weight_left_rows)
-    ):
+    row_kernels = {r: kernel for r, kernel in row_kernels.items() if kernel != "torch"}
+    if forced == "torch" or (forced is None and (not row_kernels or rows is not None and rows not in row_kernels)):
         yield  # nothing to change: PyTorch's own forward
         return
-    token = _WEIGHT_LEFT_ROWS.set(weight_left_rows)
+    token = _ROW_KERNELS.set(row_kernels)
     with _LOCK:
         used = [module for module in linears if module in _USERS or "forward" not in vars(module)]
         for module in used:
@@ -112,7 +151,7 @@ def chosen_kernels(linears: list[nn.Linear], weight_left_rows: frozenset[int], r
     try:
         yield
     finally:
-        _WEIGHT_LEFT_ROWS.reset(token)
+        _ROW_KERNELS.reset(token)
         with _LOCK:
             for module in used:
                 entry = _USERS[module]

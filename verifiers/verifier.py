@@ -9,6 +9,8 @@ is recomputed.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from transformers import GenerationMixin, PreTrainedModel
 
@@ -24,6 +26,7 @@ from verifiers.cache import (
     tree_layout,
 )
 from verifiers.kernels import chosen_kernels, cpu_linears
+from verifiers.kernels import prepare as prepare_kernels
 
 STATIC_CAPACITY_STEP = 256  # static caches are sized in multiples of this many slots
 
@@ -58,8 +61,8 @@ class Verifier:
             eager), as `model.generate` compiles a static cache's decoding step; drafters compile their own
             static-shape forward with it through `compiled()`. The prefill always runs eagerly: its shape is
             the prompt's, so compiling it would re-trace per prompt.
-        weight_left_rows: the row counts (fed tokens x rows) whose plain float32 CPU linear products run as
-            (W @ x.T).T, where the machine's cost table measured that faster (`verifiers.kernels`,
+        row_kernels: row count (fed tokens x rows) -> the kernel its plain float32 CPU linear products run, where
+            the machine's cost table measured one faster than PyTorch's (`verifiers.kernels`,
             `schedulers.cost_model.cached_kernel_choice`); every other product runs PyTorch's own kernel.
         forward_costs: the machine's measured seconds of a forward feeding n tokens (`schedulers.cost_model
             .forward_costs`; empty: none cached). An eager verify is padded by one position per row where that
@@ -74,7 +77,7 @@ class Verifier:
         static: bool = False,
         max_width: int = 1,
         compile_config=None,
-        weight_left_rows: frozenset[int] = frozenset(),
+        row_kernels: dict[int, str] | None = None,
         forward_costs: dict[int, float] | None = None,
     ):
         check_causal_lm(model, role)
@@ -122,7 +125,8 @@ class Verifier:
         # An eager forward runs each linear's product through the kernel measured fastest at its row count
         # (`verifiers.kernels`); a compiled step keeps the kernels it was traced with.
         self.linears = cpu_linears(model) if compile_config is None else []
-        self.weight_left_rows = frozenset(weight_left_rows)
+        self.row_kernels = dict(row_kernels or {})
+        self._kernels_in_place = False  # inside `kernels()`: each forward finds its kernels installed
         # The one-position padding is for eager forwards, whose kernels follow the row count.
         self.forward_costs = dict(forward_costs or {}) if compile_config is None and not static else {}
         self.cache: SharedCache | None = None
@@ -136,6 +140,22 @@ class Verifier:
             config, call = self.compile_config, torch.compile(module, **self.compile_config.to_dict())
             module._hybrid_compiled = (config, call)  # a tuple, so not registered as a submodule
         return call
+
+    @contextlib.contextmanager
+    def kernels(self):
+        """Within the block, the linears' chosen kernels stay installed (`verifiers.kernels.chosen_kernels`), so a
+        forward does not install and remove a forward on each of the model's linears (milliseconds on a CPU) around
+        itself. A call decodes within one such block; the model is as it was afterwards."""
+        if not self.row_kernels or self._kernels_in_place:
+            yield
+            return
+        prepare_kernels(self.linears, set(self.row_kernels.values()))
+        with chosen_kernels(self.linears, self.row_kernels):
+            self._kernels_in_place = True
+            try:
+                yield
+            finally:
+                self._kernels_in_place = False
 
     @property
     def vocab_size(self) -> int:
@@ -316,7 +336,8 @@ class Verifier:
             torch.compiler.cudagraph_mark_step_begin()
         # Every fed position reaches every dense product (and the head, keeping all logits): that is their row count.
         rows = input_ids.numel() if isinstance(logits_to_keep, int) and logits_to_keep == 0 else None
-        with chosen_kernels(self.linears, self.weight_left_rows, rows):
+        installed = self._kernels_in_place
+        with contextlib.nullcontext() if installed else chosen_kernels(self.linears, self.row_kernels, rows):
             out = call(
                 input_ids=input_ids,
                 attention_mask=mask,
