@@ -3,7 +3,7 @@
 The curve is not smooth, and which kernel serves a width best depends on the CPU: on one 2-core CPU this project
 is measured on, SmolLM2-135M costs about as much for m = 2-4 as for m = 1 when its linears put the weight on the
 left (`verifiers.kernels`), and twice as much through PyTorch's own kernel; on another CPU it is the other way
-round, and there oneDNN's product on reordered weights cuts m = 4-16 by a quarter. So every m from 1 to 17 and
+round, and there oneDNN's product on reordered weights runs m = 7-15 6-18% faster. So every m from 1 to 17 and
 tree widths up to 65 are timed with each kernel, the kernels taking turns at each m (best of 3 forwards on a
 64-token context), and each width gets the fastest kernel (PyTorch's own unless another beats it by
 `KERNEL_MARGIN`), so a step never costs more than PyTorch's forward of the same width. That is 64 forwards per

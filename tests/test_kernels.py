@@ -363,3 +363,13 @@ def test_the_packed_weights_are_made_before_a_call_needs_them(tmp_path, monkeypa
     out = hybrid.generate(model, IDS, drafter=None, max_new_tokens=4, do_sample=False)
     assert torch.equal(out, model.generate(IDS, max_new_tokens=4, do_sample=False))
     assert all(module in kernels._PACKED for module in linears)  # made on entering the call, though no step ran 9 rows
+
+
+def test_the_packed_kernel_is_a_candidate_only_where_it_runs(monkeypatch):
+    """A PyTorch without oneDNN, or whose oneDNN has no float32 inner product here, never probes it."""
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    assert not kernels._packed_runs()
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: True)
+    failing = mock.Mock(side_effect=RuntimeError("could not create a primitive descriptor"))
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", failing, raising=False)
+    assert not kernels._packed_runs()

@@ -5,11 +5,11 @@ x @ W.T. Two other forms compute the same product: (W @ x.T).T ("weight-left"), 
 the one-row kernel does, and oneDNN's inner product on a copy of the weight reordered once into its blocked layout
 ("packed"), which skips the per-call packing PyTorch's kernel does for a few rows. Which is fastest depends on the
 CPU, its BLAS and the row count: on one 2-core Xeon the weight-left form halves a verify of 2-8 rows and doubles it
-on another, where the packed form cuts a verify of 4-16 rows by a quarter and slows one of 1-3. So nothing here
-decides: `schedulers.cost_model` times a forward of every width with each kernel on the user's machine, once, and
-caches the choice with the cost table; a `Verifier` runs each row count through the kernel measured fastest there
-(`chosen_kernels`) and leaves every other product to PyTorch. `force_kernel` pins one kernel for every row count
-(the cost probe measures each candidate through it, and tests run the losslessness properties under each).
+on another, where the packed form runs a verify of 7-15 rows 6-18% faster and one of 1-3 about 30% slower. So
+nothing here decides: `schedulers.cost_model` times a forward of every width with each kernel on the user's machine,
+once, and caches the choice with the cost table; a `Verifier` runs each row count through the kernel measured
+fastest there (`chosen_kernels`) and leaves every other product to PyTorch. `force_kernel` pins one kernel for every
+row count (the cost probe measures each candidate through it, and tests run the losslessness properties under each).
 
 The packed form keeps its reordered copy of each weight it has served (as much memory again as those weights)
 for as long as the module lives, and makes a new one when the weight is replaced or changed in place.
@@ -28,9 +28,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# PyTorch's own x @ W.T, (W @ x.T).T, and oneDNN's product with a reordered weight where PyTorch has oneDNN.
-KERNELS = ("torch", "weight-left", *(("packed",) if torch.backends.mkldnn.is_available() else ()))
-# The row count oneDNN is told to reorder a weight for: one layout serves every row count, and on the Xeons measured
+
+def _packed_runs() -> bool:
+    """Whether this PyTorch computes a float32 product through oneDNN on a reordered weight: some builds have no
+    oneDNN, and some CPUs' oneDNN no float32 inner product."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        weight = torch.ones(8, 8)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+        out = torch.ops.mkldnn._linear_pointwise(torch.ones(1, 8), packed, None, "none", [], "")
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return False
+    return bool(torch.equal(out, torch.full((1, 8), 8.0)))
+
+
+# PyTorch's own x @ W.T, (W @ x.T).T, and oneDNN's product with a reordered weight where this PyTorch runs it.
+KERNELS = ("torch", "weight-left", *(("packed",) if _packed_runs() else ()))
+# The row count oneDNN is told to reorder a weight for: one layout serves every row count, and on the Xeon measured
 # one reordered for many rows runs a few rows faster than one reordered for those few.
 PACKED_FOR_ROWS = 64
 
