@@ -34,7 +34,7 @@ from transformers import DynamicCache
 
 from verifiers.cache import learned_position_limit
 from verifiers.embedded import cache_dir
-from verifiers.kernels import KERNELS, chosen_kernels, cpu_linears, force_kernel, prepare
+from verifiers.kernels import KERNELS, chosen_kernels, cpu_linears, force_kernel, prepare_linears
 
 # Every width of a chain of up to 16 drafts + the pending token, then tree widths (the curve is smooth there).
 PROBE_SIZES = (*range(1, 18), 24, 33, 49, 65)
@@ -268,7 +268,7 @@ def cached_kernel_choice(model) -> tuple[dict[int, str], dict[int, float]]:
 
 
 def prepare_kernels(model) -> None:
-    """Make what the kernels of `model`'s cached table need before any call runs them (`verifiers.kernels.prepare`):
-    otherwise the first call that feeds a width they serve pays for it."""
+    """Make what the kernels of `model`'s cached table need before any call runs them
+    (`verifiers.kernels.prepare_linears`): otherwise the first call that feeds a width they serve pays for it."""
     row_kernels, _ = cached_kernel_choice(model)
-    prepare(cpu_linears(model), set(row_kernels.values()))
+    prepare_linears(cpu_linears(model), set(row_kernels.values()))

@@ -88,7 +88,7 @@ def packed_weight(module: nn.Linear) -> torch.Tensor:
     return entry[2]
 
 
-def prepare(linears: list[nn.Linear], kernels) -> None:
+def prepare_linears(linears: list[nn.Linear], kernels) -> None:
     """Make now what the given kernels will need, so that no forward pays for it: the packed kernel's reordered
     weights (0.2 s for SmolLM2-135M on a 2-core CPU)."""
     if "packed" in kernels:

@@ -25,8 +25,7 @@ from verifiers.cache import (
     row_mask_problem,
     tree_layout,
 )
-from verifiers.kernels import chosen_kernels, cpu_linears
-from verifiers.kernels import prepare as prepare_kernels
+from verifiers.kernels import chosen_kernels, cpu_linears, prepare_linears
 
 STATIC_CAPACITY_STEP = 256  # static caches are sized in multiples of this many slots
 
@@ -149,7 +148,7 @@ class Verifier:
         if not self.row_kernels or self._kernels_in_place:
             yield
             return
-        prepare_kernels(self.linears, set(self.row_kernels.values()))
+        prepare_linears(self.linears, set(self.row_kernels.values()))
         with chosen_kernels(self.linears, self.row_kernels):
             self._kernels_in_place = True
             try:
