@@ -8,6 +8,9 @@ python -m pip install -q -e ".[experiments]"  # matplotlib, for the plots
 # machine whose one-token step costs 33 ms (copied there by hand from runs/).
 mkdir -p runs/verify-costs && python -m experiments.verify_costs | tee runs/verify-costs/table.txt  # caches the kernel choice
 python -m experiments.scheduler_prior --num-prompts 8 --max-new-tokens 256  # the prior shipped beside the drafter
+for t in 0.7 1.0; do  # and its entries for sampled decoding
+    python -m experiments.scheduler_prior --num-prompts 8 --max-new-tokens 256 --temperature $t
+done
 # The default against plain generate and its lookup and store alone, greedy, on each set (heldout: ours, never tuned on).
 for set in heldout mt-bench humaneval dev; do
     mkdir -p runs/bench-$set && python -m experiments.bench --dataset $set --num-prompts 8 --max-new-tokens 256 \

@@ -1,16 +1,19 @@
 """Write the scheduler prior shipped beside the default drafter: what the cost-aware scheduler learns on our prompts.
 
     python -m experiments.scheduler_prior --num-prompts 8 --max-new-tokens 256
+    python -m experiments.scheduler_prior --num-prompts 8 --max-new-tokens 256 --temperature 0.7
+    python -m experiments.scheduler_prior --num-prompts 8 --max-new-tokens 256 --temperature 1.0
 
-Decodes the dev prompts (experiments/prompts/dev.jsonl: ours, never an evaluation set) one at a time, greedily, with
+Decodes the dev prompts (experiments/prompts/dev.jsonl: ours, never an evaluation set) one at a time with
 `hybrid.load_default()`'s verifier and drafter (`--branch` and `--refill-below` set those of the drafter) and a
 `CostAwareScheduler` that starts uninformed and learns across them, as a process that has served those prompts
 would; then, with the same scheduler, the dev and dev-chat prompts (both ours) in left-padded batches of each of
-`--batch-sizes`, `--batch-tokens` new tokens a row. It writes what holds on any machine (the acceptance counts, what
-each drafting stage adds at each batch size, the steps the batches' calls saved; `CostAwareScheduler.prior_entry`)
-to `scheduler_prior.json` in the shipped drafter's checkpoint folder, where every calibrated scheduler for that
-drafter and verifier starts from it (`schedulers.prior`). Rerun it after retraining the drafter or changing its
-settings: a prior measured for another fingerprint is not used.
+`--batch-sizes`, `--batch-tokens` new tokens a row. It decodes greedily, or sampled at `--temperature` from a fixed
+seed: a drafted token matches a sampled choice less often, and each decoding has its own entry. It writes what holds
+on any machine (the acceptance counts, what each drafting stage adds at each batch size, the steps the batches' calls
+saved; `CostAwareScheduler.prior_entry`) to `scheduler_prior.json` in the shipped drafter's checkpoint folder, where
+every calibrated scheduler for that drafter, verifier and decoding starts from it (`schedulers.prior`). Rerun it
+after retraining the drafter or changing its settings: a prior measured for another fingerprint is not used.
 """
 
 from __future__ import annotations
@@ -33,15 +36,19 @@ def learn_prior(
     batches: list[tuple[torch.Tensor, torch.Tensor]] = (),
     batch_tokens: int = 64,
     pad_token_id: int = 0,
+    temperature: float = 0.0,
 ) -> CostAwareScheduler:
-    """A scheduler that started uninformed and decoded each of `prompts` ([1, n] ids) greedily with `drafter`, then
-    each of `batches` ((left-padded ids, attention mask) of several rows), `batch_tokens` new tokens a row."""
+    """A scheduler that started uninformed and decoded each of `prompts` ([1, n] ids) with `drafter`, then each of
+    `batches` ((left-padded ids, attention mask) of several rows), `batch_tokens` new tokens a row: greedily, or
+    sampled at `temperature` (> 0) from torch's global RNG seeded 0."""
     scheduler = CostAwareScheduler(costs=costs, prior=False)
+    sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {}
+    torch.manual_seed(0)
     # Every step drafts with every stage and counts in a plain mean: the prior is what each stage adds over all the
     # prompts, not over the last steps, nor only where this machine's costs made the scheduler run them.
     scheduler.ALL_STAGES, scheduler.MOVING = True, 0.0
     for ids in prompts:
-        hybrid.generate(model, ids, drafter=drafter, scheduler=scheduler, max_new_tokens=max_new_tokens)
+        hybrid.generate(model, ids, drafter=drafter, scheduler=scheduler, max_new_tokens=max_new_tokens, **sampling)
     for ids, mask in batches:
         hybrid.generate(
             model,
@@ -51,6 +58,7 @@ def learn_prior(
             scheduler=scheduler,
             max_new_tokens=batch_tokens,
             pad_token_id=pad_token_id,
+            **sampling,
         )
     return scheduler
 
@@ -81,6 +89,7 @@ def main(argv=None):
     )
     parser.add_argument("--batch-sizes", default="2,4,8", help="batch sizes to learn at too (empty: none)")
     parser.add_argument("--batch-tokens", type=int, default=64, help="new tokens a row in the batches")
+    parser.add_argument("--temperature", type=float, default=0.0, help="sample at this temperature (0: greedy)")
     args = parser.parse_args(argv)
     try:
         batch_sizes = parse_numbers(args.batch_sizes, "--batch-sizes", int) if args.batch_sizes else []
@@ -88,6 +97,8 @@ def main(argv=None):
         parser.error(str(error))
     if any(size < 2 for size in batch_sizes):
         parser.error(f"--batch-sizes {args.batch_sizes}: give sizes of 2 rows or more (batch 1 always runs)")
+    if args.temperature < 0:
+        parser.error(f"--temperature {args.temperature}: give 0 (greedy) or more")
     if args.batch_tokens < 1:
         parser.error(f"--batch-tokens {args.batch_tokens}: give 1 or more")
     if args.branch < 0:
@@ -109,6 +120,7 @@ def main(argv=None):
         batches=batches,
         batch_tokens=args.batch_tokens,
         pad_token_id=pad_id,
+        temperature=args.temperature,
     )
     entry = scheduler.prior_entry()
     write_prior(args.out, entry)

@@ -285,10 +285,12 @@ def generate(
     _check_context(verifier, prompt_len, config.max_length)
     verifier.check_masks([None] * batch if attention_mask is None else list(attention_mask))
     _check_drafter(drafter, verifier, call["tokenizer"])
+    decoding = _decoding(config, acceptance)
     if scheduler is None:
-        scheduler = default_scheduler(drafter, model) if drafter is not None else Scheduler()
+        scheduler = default_scheduler(drafter, model, decoding) if drafter is not None else Scheduler()
     if not isinstance(scheduler, Scheduler):
         raise TypeError(f"scheduler must be a schedulers.Scheduler, got {type(scheduler).__name__}")
+    scheduler.set_decoding(decoding)
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
 
@@ -339,6 +341,29 @@ def generate(
             sequences=output, scores=result.scores, logits=result.logits, cache=verifier.cache.to_dynamic(0)
         )
     return (output, stats) if return_stats else output
+
+
+def _decoding(config: GenerationConfig, acceptance: str) -> dict:
+    """How this call's tokens are chosen, as a scheduler is told it (`Scheduler.set_decoding`): {} greedily, else the
+    settings of `config` that shape the sampled distribution, and the acceptance rule where it is not "match"."""
+    if not config.do_sample:
+        return {}
+    decoding = {name: getattr(config, name, None) for name in _SHAPING}
+    decoding = {name: value for name, value in decoding.items() if value not in (None, _SHAPING[name])}
+    return decoding | ({"acceptance": acceptance} if acceptance != "match" else {})
+
+
+# The settings that shape a sampled distribution, each with its value that leaves it as it is.
+_SHAPING = {
+    "temperature": None,
+    "top_k": 0,
+    "top_p": 1.0,
+    "min_p": 0.0,
+    "typical_p": 1.0,
+    "epsilon_cutoff": 0.0,
+    "eta_cutoff": 0.0,
+    "top_h": None,
+}
 
 
 def _check_setting_types(kwargs: dict, generation_config: GenerationConfig | None) -> None:

@@ -20,14 +20,17 @@ from schedulers.cost_model import VerifyCostModel
 from schedulers.prior import PRIOR_OBSERVATIONS, shipped_prior
 
 
-def pair_fingerprint(drafter, model) -> dict:
-    """What a calibration is specific to: the drafter (class, block size, its own id) and the verifier."""
+def pair_fingerprint(drafter, model, decoding: dict | None = None) -> dict:
+    """What a calibration is specific to: the drafter (class, block size, its own id), the verifier, and how the
+    verifier's tokens are chosen (`Scheduler.set_decoding`; {}: greedily). A drafted token matches a sampled choice
+    less often than the argmax, the less the hotter the sampling, so each decoding is learned on its own."""
     config = model.config.get_text_config() if model is not None else None
     return {
         "drafter": f"{type(drafter).__name__}:{drafter.max_draft_len}:{getattr(drafter, 'fingerprint', '')}",
         "verifier": None
         if config is None
         else f"{type(model).__name__}:{config.hidden_size}x{config.num_hidden_layers}:{config.vocab_size}",
+        "decoding": dict(decoding or {}),
     }
 
 
@@ -51,18 +54,23 @@ def draft_expectation(acceptance, draft: Draft) -> list[float]:
 
 
 class _Calibrated(Scheduler):
-    """Shared state: the acceptance model, learned online across calls, from the shipped prior for this drafter and
-    verifier when there is one (`schedulers.prior`; `prior=False`: start uninformed), or loaded from `calibration`."""
+    """Shared state: the acceptance model, learned online across calls, from the shipped prior for this drafter,
+    verifier and decoding when there is one (`schedulers.prior`; `prior=False`: start uninformed), or loaded from
+    `calibration`. A call of another drafter, verifier or decoding than the last starts again from its own prior."""
 
     def __init__(self, calibration: str | None = None, prior: bool = True):
         self.calibration_path = calibration
         self.use_prior = prior
         self.acceptance: AcceptanceModel | None = None
         self.prior: Path | None = None  # the shipped prior file it started from (None: uninformed or calibration=)
+        self.decoding: dict = {}  # the next call's (`set_decoding`)
+
+    def set_decoding(self, decoding: dict) -> None:
+        self.decoding = dict(decoding)
 
     def reset(self, drafter, model=None) -> None:
         super().reset(drafter, model)
-        fingerprint = pair_fingerprint(drafter, model)
+        fingerprint = pair_fingerprint(drafter, model, self.decoding)
         if self.acceptance is not None and self.acceptance.fingerprint == fingerprint:
             return  # same pair as the last call: keep learning
         found = shipped_prior(fingerprint) if self.use_prior and self.calibration_path is None else None
@@ -106,15 +114,18 @@ class ConfidenceScheduler(_Calibrated):
         return max(k, 1) if len(draft) else 0  # always verify one: keeps the calibration learning
 
 
-# verifier -> {drafter kind: scheduler}; weak, so a scheduler lives as long as its verifier and no longer
+# verifier -> {(drafter kind, decoding): scheduler}; weak, so a scheduler lives as long as its verifier and no longer
 _DEFAULTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def default_scheduler(drafter, model) -> Scheduler:
+def default_scheduler(drafter, model, decoding: dict | None = None) -> Scheduler:
     """The scheduler `hybrid.generate` uses when given none: a `CostAwareScheduler` kept per
-    (verifier, drafter kind) for the life of the process, so its calibration keeps learning across calls."""
+    (verifier, drafter kind, decoding) for the life of the process, so its calibration keeps learning across calls,
+    and greedy and sampled calls in turn never overwrite each other's."""
     per_model = _DEFAULTS.setdefault(model, {})
-    return per_model.setdefault(str(pair_fingerprint(drafter, model)), CostAwareScheduler())
+    scheduler = per_model.setdefault(str(pair_fingerprint(drafter, model, decoding)), CostAwareScheduler())
+    scheduler.set_decoding(decoding or {})
+    return scheduler
 
 
 class CostAwareScheduler(_Calibrated):

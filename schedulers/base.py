@@ -34,6 +34,11 @@ class Scheduler:
         width(m, rows) = m. Cost-aware schedulers charge the padded width."""
         self.verify_width = width
 
+    def set_decoding(self, decoding: dict) -> None:
+        """Told before `reset`: how the verifier chooses its tokens in the coming call, {} for greedily, else the
+        sampling settings that shape the distribution a drafted token must match (temperature, top_k, top_p, ...;
+        "acceptance": "rejection" under speculative sampling's rule). Default: ignored."""
+
     def set_rows(self, steps_left: list[float]) -> None:
         """Told by the engine before each step: the rows about to be decoded, in batch order, each as the steps it is
         expected to need still (tokens it may still emit over its tokens per step so far). Default: ignored."""

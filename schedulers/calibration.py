@@ -81,7 +81,8 @@ class AcceptanceModel:
         if saved != fingerprint:
             raise ValueError(
                 f"calibration file {path} was measured for {saved}, not for {fingerprint}: "
-                "calibrate this drafter/verifier pair (or drop calibration= to learn online)"
+                "calibrate this drafter and verifier under this decoding (greedy or sampled as this call is), or drop "
+                "calibration= to learn online"
             )
         return cls.from_counts(tried, accepted, fingerprint)
 

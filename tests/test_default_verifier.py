@@ -8,11 +8,13 @@ import re
 import pytest
 
 import hybrid
+import schedulers
 from drafters import BlockDiffusionDrafter, ChainDrafter, PromptLookupDrafter
 from hybrid.cli import main as cli_main
 from hybrid.default import DRAFTER_DIR
 from hybrid.testing import check_greedy_lossless
 from schedulers import FixedScheduler
+from schedulers.prior import shipped_prior
 from verifiers.prompts import encode_prompt
 
 pytestmark = pytest.mark.slow
@@ -49,6 +51,24 @@ def test_load_default_is_smollm2_with_the_shipped_block_drafter(default):
     assert isinstance(drafter, ChainDrafter) and isinstance(lookup, PromptLookupDrafter)
     assert isinstance(block, BlockDiffusionDrafter)  # its fingerprint check passed against this verifier
     assert lookup.min_ngram == 1 and lookup.ngram_store is not None
+
+
+def test_the_default_starts_each_decoding_from_its_own_shipped_prior(default):
+    """The prior ships entries for the default drafter measured greedily and sampled at T 0.7 and 1.0: a call starts
+    from the one `generate` names for its decoding (T 0.7 with top-p 0.9 from the T 0.7 entry, the nearest)."""
+    model, tokenizer, drafter = default
+    ids = encode_prompt(tokenizer, PROMPTS[0])
+    started = {}
+    for settings in (
+        {},
+        {"do_sample": True, "temperature": 1.0},
+        {"do_sample": True, "temperature": 0.7, "top_p": 0.9},
+    ):
+        scheduler = schedulers.CostAwareScheduler()
+        hybrid.generate(model, ids, drafter=drafter, scheduler=scheduler, max_new_tokens=2, **settings)
+        assert scheduler.prior is not None
+        started[str(settings)] = shipped_prior(scheduler.acceptance.fingerprint)[1]["fingerprint"]["decoding"]
+    assert list(started.values()) == [{}, {"temperature": 1.0, "top_k": 50}, {"temperature": 0.7, "top_k": 50}]
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)

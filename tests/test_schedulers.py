@@ -354,6 +354,76 @@ def test_the_default_scheduler_lets_its_verifier_be_freed():
     assert alive() is None
 
 
+def test_each_decoding_learns_its_own_calibration():
+    """A drafted token matches a sampled choice less often than the argmax: `generate` tells the scheduler how it
+    chooses (its settings that shape the distribution, and a rule other than "match"), and the default scheduler
+    keeps one calibration per decoding, so sampled calls leave the greedy calls' estimates as they were."""
+    told = []
+
+    class Recording(Scheduler):
+        def set_decoding(self, decoding):
+            told.append(decoding)
+
+    model = tiny_model("llama", 48, 2, seed=0)
+    prompt = torch.tensor([[5, 6, 7, 5, 6, 7, 5, 6]])
+    drafter = PromptLookupDrafter(max_draft_len=4)
+    for settings in ({}, {"do_sample": True, "temperature": 0.7, "top_p": 0.9}):
+        hybrid.generate(model, prompt, drafter=drafter, scheduler=Recording(), max_new_tokens=4, **settings)
+    hybrid.generate(
+        model,
+        prompt,
+        drafter=drafter,
+        scheduler=Recording(),
+        max_new_tokens=4,
+        do_sample=True,
+        temperature=1.5,
+        acceptance="rejection",
+    )
+    assert told[0] == {}
+    assert told[1]["temperature"] == 0.7 and told[1]["top_p"] == 0.9 and "acceptance" not in told[1]
+    assert told[2]["temperature"] == 1.5 and told[2]["acceptance"] == "rejection"
+
+    greedy = schedulers.adaptive.default_scheduler(drafter, model)
+    hybrid.generate(model, prompt, drafter=drafter, max_new_tokens=12)
+    acceptance, tried = greedy.acceptance, greedy.acceptance.tried.clone()
+    assert acceptance.fingerprint["decoding"] == {}
+    hybrid.generate(model, prompt, drafter=drafter, max_new_tokens=12, do_sample=True, temperature=0.7)
+    assert greedy.acceptance is acceptance and torch.equal(acceptance.tried, tried)
+    (sampled,) = [s for s in schedulers.adaptive._DEFAULTS[model].values() if s is not greedy]
+    assert sampled.acceptance.fingerprint["decoding"]["temperature"] == 0.7
+
+
+def test_a_sampled_decoding_without_a_prior_of_its_own_takes_the_nearest_temperatures(tmp_path):
+    """Priors measured greedily and at T 0.7 and 1.0: T 0.8 starts from 0.7's, T 1.5 from 1.0's, greedy from the
+    greedy one, and speculative sampling's rule (no entry of its own) from the greedy one; another drafter from none."""
+    pair = pair_fingerprint(PromptLookupDrafter(max_draft_len=4), None)
+    path = tmp_path / "a-drafter" / PRIOR_FILE
+    path.parent.mkdir()
+    for decoding in ({}, {"temperature": 0.7}, {"temperature": 1.0}):
+        write_prior(
+            path,
+            {
+                "fingerprint": pair | {"decoding": decoding},
+                "tried": [],
+                "accepted": [],
+                "stage_tokens": [],
+                "stage_width": [],
+                "batches": {},
+            },
+        )
+
+    def measured(decoding):
+        found = schedulers.prior.shipped_prior(pair | {"decoding": decoding}, root=tmp_path)
+        return found[1]["fingerprint"]["decoding"]
+
+    assert measured({}) == {}
+    assert measured({"temperature": 0.8, "top_k": 50}) == {"temperature": 0.7}
+    assert measured({"temperature": 1.5}) == {"temperature": 1.0}
+    assert measured({"temperature": 1.0, "acceptance": "rejection"}) == {}
+    other = pair_fingerprint(PromptLookupDrafter(max_draft_len=8), None)
+    assert schedulers.prior.shipped_prior(other, root=tmp_path) is None
+
+
 # --------------------------------------------------------------------------- drafting stages: which drafters run
 
 
