@@ -7,9 +7,9 @@ what the cost-aware scheduler learned there to `scheduler_prior.json` in the dra
 acceptance counts, what each drafting stage adds at each batch size and how many steps the batches' calls saved. A
 scheduler starts from the entry for its (drafter, verifier, decoding) fingerprint (a sampled decoding without one:
 the nearest temperature's, `shipped_prior`), worth at most `PRIOR_OBSERVATIONS` observations per cell so the user's
-own text soon outweighs it; without one (another drafter, a retrained checkpoint) it starts uninformed and learns from its first
-step. Seconds are not in it: they belong to the machine, where verify costs are measured once and cached on disk
-(`VerifyCostModel.for_model`) and draft costs are timed as the run goes.
+own text soon outweighs it; without one (another drafter, a retrained checkpoint) it starts uninformed and learns
+from its first step. Seconds are not in it: they belong to the machine, where verify costs are measured once and
+cached on disk (`VerifyCostModel.for_model`) and draft costs are timed as the run goes.
 """
 
 from __future__ import annotations
@@ -31,17 +31,21 @@ def shipped_prior(fingerprint: dict, root: Path | None = None) -> tuple[Path, di
     `CHECKPOINTS`); None when no shipped file holds one for its drafter and verifier. A sampled decoding with no
     entry of its own takes the entry sampled at the nearest temperature, else the greedy one: the hotter the sampling,
     the less a drafted token matches, so the nearest temperature predicts it best."""
-    pair = {key: value for key, value in fingerprint.items() if key != "decoding"}
     found = [
         (path, entry)
         for path in sorted((root or CHECKPOINTS).glob(f"*/{PRIOR_FILE}"))
         for entry in read_priors(path)
-        if {key: value for key, value in entry["fingerprint"].items() if key != "decoding"} == pair
+        if _pair(entry["fingerprint"]) == _pair(fingerprint)
     ]
     if not found:
         return None
     decoding = fingerprint.get("decoding", {})
     return min(found, key=lambda item: _distance(decoding, item[1]["fingerprint"].get("decoding", {})))
+
+
+def _pair(fingerprint: dict) -> dict:
+    """The drafter and verifier of a fingerprint, without its decoding."""
+    return {key: value for key, value in fingerprint.items() if key != "decoding"}
 
 
 def _distance(decoding: dict, measured: dict) -> tuple:
