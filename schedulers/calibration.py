@@ -36,6 +36,8 @@ class AcceptanceModel:
 
     def predict(self, draft: Draft) -> list[float]:
         """Each node's probability of acceptance given its parent's (or, at depth 1, the pending token)."""
+        if not len(draft):  # most steps of a batch that declines drafting: nothing to price
+            return []
         bins = confidence_bins(draft)
         positions = [d - 1 for d in draft.depths()]
         # Pooled per (position class, bin) first, then each (position, bin) cell shrunk toward it.

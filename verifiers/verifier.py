@@ -343,7 +343,8 @@ class Verifier:
                 position_ids=position_ids,
                 cache=self.cache,
                 use_cache=True,
-                output_hidden_states=bool(self.hidden_layers),
+                # By index, so that only the kept layers' states are held: the others are freed layer by layer.
+                output_hidden_states=list(self.hidden_layers) if self.hidden_layers else False,
                 **extra,
             )
         hidden = None
