@@ -185,7 +185,7 @@ class CostAwareScheduler(_Calibrated):
     CALL_PRIOR_TOKENS = 8.0  # predicted tokens a call's own correction counts as before its steps show theirs
     CALL_MAX_FACTOR = 2.0  # the most a call's correction scales the calibration's prediction, either way
     SAVED_DECAY = 0.8  # an earlier call's weight in a batch size's saved steps, per call since
-    SAVED_PRIOR = 8.0  # estimated steps saved that the batch worth's prior of 1 counts as
+    SAVED_PRIOR = 8.0  # estimated steps saved that the batch worth's prior (`_prior_worth`) counts as
 
     def __init__(self, calibration: str | None = None, costs: dict[int, float] | None = None, prior: bool = True):
         super().__init__(calibration, prior)
@@ -205,6 +205,7 @@ class CostAwareScheduler(_Calibrated):
         self._step_predicted: float | None = None  # the prediction of the step in flight (`select_batch`)
         self._call_steps = 0  # steps this call has run
         self._call_worth = 0.0  # the steps its accepted tokens were estimated to save (weighted as `set_rows` says)
+        self._call_alone = 0  # tokens it accepted on steps of a lone row, each of which saved a step
 
     def start_pair(self, prior: dict | None) -> None:
         self._step_stats: dict[int, dict[int, list]] = {}  # rows -> passes -> [steps, tokens per s]
@@ -212,6 +213,7 @@ class CostAwareScheduler(_Calibrated):
         # rows -> n stages -> [steps, accepted tokens per row, verify width] of the nodes of the first n stages
         self._stage_gain: dict[int, list[list[float]]] = {1: self._no_gain()}
         self._saved: dict[int, list[float]] = {}  # rows -> [steps calls saved, steps estimated], decayed sums
+        self._shipped_worth: dict[int, float] = {}  # rows -> the batch worth the shipped prior's calls measured
         if prior is not None:
             self._start_from(prior)
         self._draft_cost: dict[int, list[list[float]]] = {}  # rows -> n stages -> [steps, seconds]
@@ -230,6 +232,11 @@ class CostAwareScheduler(_Calibrated):
             if len(tokens) == self.num_stages + 1:
                 self._stage_gain[rows] = [[self.PRIOR_STEPS, t, w] for t, w in zip(tokens, widths)]
         self._saved = {int(rows): list(b["saved"]) for rows, b in prior["batches"].items()}
+        self._shipped_worth = {
+            rows: min(max(realized / promised, 0.0), 1.0)
+            for rows, (realized, promised) in self._saved.items()
+            if promised > 0
+        }
 
     def _no_gain(self) -> list[list[float]]:
         return [[1, 0.0, 1.0]] + [[0, 0.0, 1.0] for _ in range(self.num_stages)]  # no stage: the pending token alone
@@ -269,7 +276,7 @@ class CostAwareScheduler(_Calibrated):
         rows = self._call_rows or len(emitted)
         if rows > 1 and self._call_worth > 0:
             saved = self._saved.setdefault(rows, [0.0, 0.0])
-            saved[0] = self.SAVED_DECAY * saved[0] + max(emitted, default=0) - self._call_steps
+            saved[0] = self.SAVED_DECAY * saved[0] + max(emitted, default=0) - self._call_steps - self._call_alone
             saved[1] = self.SAVED_DECAY * saved[1] + self._call_worth
 
     def call_factor(self) -> float:
@@ -283,14 +290,24 @@ class CostAwareScheduler(_Calibrated):
     def batch_worth(self) -> float:
         """What a drafted token accepted in a batch of this call's rows is worth, as a share of what the row
         weights (`set_rows`) say: the steps calls of that size saved over the steps their weighted accepted tokens
-        promised, shrunk toward 1 by SAVED_PRIOR. A batch's call ends with its slowest row, and rows level at the
-        start of a call advance unevenly: the call is shortened only where every row still behind advances, so a
-        batch saves fewer steps than its rows' tokens count. At batch 1 it is 1."""
+        promised, shrunk by SAVED_PRIOR toward what the shipped prior's calls of that size measured (1 where it ran
+        none). A batch's call ends with its slowest row, and rows level at the start of a call advance unevenly: the
+        call is shortened only where every row still behind advances, so a batch saves fewer steps than its rows'
+        tokens count (about two thirds of them on our prompts). Shrunk toward 1, a batch size whose last few calls are
+        all that is remembered would count its tokens a fifth too dear and verify drafts that lose. At batch 1, and
+        once a call's other rows have finished, it is 1: every token the row still decoding accepts saves a step."""
         rows = self._call_rows or 1
-        if rows <= 1:
+        if rows <= 1 or len(self._weights) == 1:
             return 1.0
         realized, estimated = self._saved.get(rows, (0.0, 0.0))
-        return min(max((realized + self.SAVED_PRIOR) / (estimated + self.SAVED_PRIOR), 0.0), 1.0)
+        prior = self._prior_worth(rows)
+        return min(max((realized + self.SAVED_PRIOR * prior) / (estimated + self.SAVED_PRIOR), 0.0), 1.0)
+
+    def _prior_worth(self, rows: int) -> float:
+        """The batch worth the shipped prior measured at the batch size nearest `rows` (1 without one)."""
+        if not self._shipped_worth:
+            return 1.0
+        return self._shipped_worth[min(self._shipped_worth, key=lambda r: (abs(r - rows), r))]
 
     def token_factor(self) -> float:
         """What one accepted token the calibration expects counts as in this call's estimates: the call's own
@@ -448,7 +465,10 @@ class CostAwareScheduler(_Calibrated):
         self._step_predicted = None
         rows = len(drafts)
         weights = self._row_weights(rows)
-        self._call_worth += sum(w * len(kept) for w, kept in zip(weights, accepted)) / sum(weights)
+        if rows > 1:
+            self._call_worth += sum(w * len(kept) for w, kept in zip(weights, accepted)) / sum(weights)
+        else:  # a lone row: its tokens are steps saved, counted apart from what the batch's weights promised
+            self._call_alone += sum(map(len, accepted))
         self._call_steps += 1
         self.verify_costs.observe_step(rows, self.verify_width(1 + max(len(d) for d in drafts), rows), verify_time)
         self._observe_stages(drafts, accepted, sum(draft_times))

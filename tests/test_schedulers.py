@@ -667,8 +667,8 @@ def test_a_scheduler_starts_from_the_shipped_prior_for_its_pair(tmp_path, monkey
     assert set(warmed.prior_entry()["batches"]) == {"2"} and warmed._saved[2][1] > 0
     assert [tokens for _, tokens, _ in fresh._gain(2)] == warmed.prior_entry()["batches"]["2"]["stage_tokens"]
     fresh.set_rows([10.0, 10.0])
-    warmed.set_rows([10.0, 10.0])
-    assert fresh.batch_worth() == warmed.batch_worth() < 1.0
+    realized, promised = warmed._saved[2]
+    assert realized < promised and fresh.batch_worth() == pytest.approx(realized / promised)  # the prior's, unshrunk
 
     uninformed = CostAwareScheduler(costs=FLAT, prior=False)
     uninformed.reset(drafter, model)
@@ -773,6 +773,35 @@ def test_a_batch_size_counts_the_steps_its_calls_saved_against_what_their_tokens
     assert s.batch_worth() == pytest.approx((realized + s.SAVED_PRIOR) / (promised + s.SAVED_PRIOR))
 
 
+def test_a_lone_row_counts_its_tokens_whole_and_a_batch_shrinks_toward_the_shipped_prior():
+    """Once the other rows of a call of 2 have finished, the row left is the call's last: each token it accepts saves
+    a step, so it counts at full weight and is kept out of what the batch's weighted tokens promised. Where a shipped
+    prior measured calls of 2 saving 60% of what their tokens promised, a batch size with few calls of its own is
+    shrunk toward that, not toward 1."""
+    s = CostAwareScheduler(costs={1: 1.0, 17: 5.0})
+    s.reset(PromptLookupDrafter(max_draft_len=16))
+    s.set_rows([10.0, 10.0])
+    s.update_batch([draft(2), draft(2)], [[0], []], [0.0, 0.0], 1.0)  # promised 1 / 2 step
+    s.finish([1, 0], 1.0)  # the second row ended at once: every row but one finished
+    s.reset(PromptLookupDrafter(max_draft_len=16))
+    s.set_rows([10.0, 10.0])
+    s.update_batch([draft(2), draft(2)], [[0, 1], []], [0.0, 0.0], 1.0)  # promises 1
+    s.set_rows([6.0])
+    assert s.batch_worth() == 1.0  # the row left: its tokens are steps
+    s.update_batch([draft(2)], [[0, 1]], [0.0], 1.0)  # saves 2 steps, counted apart
+    s.finish([7, 1], 1.0)  # 7 tokens after the first in 2 steps: saved 5 - 2 alone = 3 at 2 rows, against 1 promised
+    s.set_rows([10.0, 10.0])
+    assert s._saved[2] == pytest.approx([s.SAVED_DECAY * 0 + 3, s.SAVED_DECAY * 0.5 + 1])
+    s._shipped_worth = {2: 0.6, 8: 0.4}
+    realized, promised = s._saved[2]
+    assert s.batch_worth() == pytest.approx(min((realized + 0.6 * s.SAVED_PRIOR) / (promised + s.SAVED_PRIOR), 1.0))
+    s._saved = {}
+    assert s.batch_worth() == pytest.approx(0.6)
+    s.reset(PromptLookupDrafter(max_draft_len=16))
+    s.set_rows([10.0] * 6)
+    assert s.batch_worth() == pytest.approx(0.4)  # the nearest batch size the prior measured
+
+
 def test_a_batch_call_drafts_from_its_first_call_and_counts_what_its_steps_saved():
     """The default scheduler drafts in the first call of 2 rows (each row's drafter proposes `generate`'s own
     continuation of that row, cut short); after it, the steps it saved and its weighted accepted tokens are what the
@@ -780,7 +809,7 @@ def test_a_batch_call_drafts_from_its_first_call_and_counts_what_its_steps_saved
     model = tiny_model("llama", 48, 2, seed=0)
     prompt = torch.tensor([[5, 6, 7, 5, 6, 7, 5, 6], [1, 2, 3, 4, 1, 2, 3, 4]])
     expected = model.generate(prompt, max_new_tokens=12, do_sample=False)
-    steps, promised = [], []
+    steps, promised, alone = [], [], []
 
     class RowOracle(Drafter):
         max_draft_len = 3
@@ -794,11 +823,14 @@ def test_a_batch_call_drafts_from_its_first_call_and_counts_what_its_steps_saved
         def update_batch(self, drafts, accepted, draft_times, verify_time):
             weights = self._row_weights(len(drafts))
             steps.append(len(drafts))
-            promised.append(sum(w * len(kept) for w, kept in zip(weights, accepted)) / sum(weights))
+            if len(drafts) > 1:  # a lone row's tokens are steps saved, not promises
+                promised.append(sum(w * len(kept) for w, kept in zip(weights, accepted)) / sum(weights))
+            else:
+                alone.append(sum(map(len, accepted)))
             super().update_batch(drafts, accepted, draft_times, verify_time)
 
     scheduler = Recording(costs=FLAT)
     out = hybrid.generate(model, prompt, drafter=RowOracle(), scheduler=scheduler, max_new_tokens=12)
     assert torch.equal(out, expected)
     assert sum(promised) > 0 and len(steps) < 11
-    assert scheduler._saved[2] == pytest.approx([11 - len(steps), sum(promised)])
+    assert scheduler._saved[2] == pytest.approx([11 - len(steps) - sum(alone), sum(promised)])
