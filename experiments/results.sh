@@ -30,8 +30,10 @@ mkdir -p runs/online-store && python -m experiments.online_store --model default
 # 30-40 minutes a temperature on 2 cores).
 python -m experiments.regimes --datasets heldout,dev,mt-bench,humaneval --batch-sizes 1,2,4,8 --temperatures 0,0.7,1.0 \
     --num-prompts 8 --max-new-tokens 64 --repeats 1 --min-pairs 4 --out runs/regimes
-# The sampled cells again with at least 8 paired runs a cell, as a cell of 4 moves by a few percent between runs
-# (machine-33ms/regimes; about 60 minutes on 2 cores).
+# The cells again with at least 8 paired runs a cell, as a cell of 4 moves by a few percent between runs: greedy
+# (machine-33ms/regimes-greedy; about 30 minutes on 2 cores) and sampled (machine-33ms/regimes; about 65 minutes).
+python -m experiments.regimes --datasets heldout,dev,mt-bench,humaneval --batch-sizes 1,2,4,8 --temperatures 0 \
+    --num-prompts 8 --max-new-tokens 64 --repeats 1 --min-pairs 8 --out runs/regimes-greedy
 python -m experiments.regimes --datasets heldout,dev,mt-bench,humaneval --batch-sizes 1,2,4,8 --temperatures 0.7,1.0 \
     --num-prompts 8 --max-new-tokens 64 --repeats 1 --min-pairs 8 --out runs/regimes-sampled
 # The same greedy cells of dev and HumanEval with a fixed number of drafted nodes a row: what the default's choices
