@@ -31,7 +31,7 @@ mkdir -p runs/online-store && python -m experiments.online_store --model default
 python -m experiments.regimes --datasets heldout,dev,mt-bench,humaneval --batch-sizes 1,2,4,8 --temperatures 0,0.7,1.0 \
     --num-prompts 8 --max-new-tokens 64 --repeats 1 --min-pairs 4 --out runs/regimes
 # The cells again with at least 8 paired runs a cell, as a cell of 4 moves by a few percent between runs: greedy
-# (machine-33ms/regimes-greedy; about 30 minutes on 2 cores) and sampled (machine-33ms/regimes; about 65 minutes).
+# (machine-33ms/regimes-greedy; about 30 minutes on 2 cores) and sampled (machine-33ms/regimes; about 50 minutes).
 python -m experiments.regimes --datasets heldout,dev,mt-bench,humaneval --batch-sizes 1,2,4,8 --temperatures 0 \
     --num-prompts 8 --max-new-tokens 64 --repeats 1 --min-pairs 8 --out runs/regimes-greedy
 python -m experiments.regimes --datasets heldout,dev,mt-bench,humaneval --batch-sizes 1,2,4,8 --temperatures 0.7,1.0 \

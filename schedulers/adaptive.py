@@ -307,7 +307,7 @@ class CostAwareScheduler(_Calibrated):
         """The batch worth the shipped prior measured at the batch size nearest `rows` (1 without one)."""
         if not self._shipped_worth:
             return 1.0
-        return self._shipped_worth[min(self._shipped_worth, key=lambda r: (abs(r - rows), r))]
+        return self._shipped_worth[nearest_size(self._shipped_worth, rows)]
 
     def token_factor(self) -> float:
         """What one accepted token the calibration expects counts as in this call's estimates: the call's own
@@ -436,7 +436,7 @@ class CostAwareScheduler(_Calibrated):
         timed = [r for r, cost in self._draft_cost.items() if cost[stages][0]]
         if not timed:
             return 0.0
-        nearest = min(timed, key=lambda r: (abs(r - rows), r))
+        nearest = nearest_size(timed, rows)
         return self._draft_cost[nearest][stages][1] * rows / nearest
 
     def _gain(self, rows: int) -> list[list[float]]:
@@ -448,7 +448,7 @@ class CostAwareScheduler(_Calibrated):
             if own is not None and own[n][0] or not measured:
                 gain.append((own or self._stage_gain[1])[n])
             else:
-                gain.append(self._stage_gain[min(measured, key=lambda r: (abs(r - rows), r))][n])
+                gain.append(self._stage_gain[nearest_size(measured, rows)][n])
         return gain
 
     def update(self, draft: Draft, accepted: list[int], draft_time: float, verify_time: float) -> None:
@@ -511,6 +511,11 @@ class CostAwareScheduler(_Calibrated):
         stats[0] += 1
         weight = 1 / stats[0] if stats[0] <= self.STEP_TRIALS else 0.1  # a mean while trying, then a moving one
         stats[1] += weight * (tokens / seconds - stats[1])
+
+
+def nearest_size(sizes, rows: int) -> int:
+    """The batch size among `sizes` nearest `rows`, the smaller of two as near."""
+    return min(sizes, key=lambda r: (abs(r - rows), r))
 
 
 def _rate(option: tuple[float, float]) -> float:
