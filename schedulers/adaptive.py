@@ -163,11 +163,14 @@ class CostAwareScheduler(_Calibrated):
 
     Estimates are only corrected where they are tried, so a choice the estimates say loses (the next stage up when fewer
     win, a positive width when declining wins) is still taken now and then, paid from a credit of EXPLORE_SHARE / r of
-    the seconds of every step so far at the same batch size of r rows: exploring costs what the estimates say it loses
-    (the seconds more than the best choice would take for the same tokens), so where it is dear (a wide batch) it is
-    rare, and a batch size runs at most EXPLORE_SHARE / r slower than its estimates' best. What a long run at batch 1
-    saved is not spent on a batch of 8, where one probe costs several cheap steps; and a batch, whose drafts gain a few
-    percent where they gain at all, keeps almost all of that.
+    the seconds of every step so far at the same batch size of r rows: a probe is taken where the credit covers what
+    the estimates say it loses (the seconds more than the best choice would take for the same tokens), and once its
+    step is verified it is charged what it lost: its drafting seconds and its verify's cost at the width it verified,
+    less its tokens at the best choice's rate. A probed stage's drafts are often worse than its mean (exploring is
+    done where the estimates are low), so the estimate alone would let a batch lose about twice its share. Where a
+    probe is dear (a wide batch) it is rare, and a batch size runs at most EXPLORE_SHARE / r slower than its
+    estimates' best. What a long run at batch 1 saved is not spent on a batch of 8, where one probe costs several
+    cheap steps; and a batch, whose drafts gain a few percent where they gain at all, keeps almost all of that.
 
     For a multi-step drafter it also picks the number of denoising passes, per batch size: each is tried for
     `STEP_TRIALS` steps, then the one with the best measured tokens per second is used, and the runner-up is retried
@@ -206,6 +209,7 @@ class CostAwareScheduler(_Calibrated):
         self._call_steps = 0  # steps this call has run
         self._call_worth = 0.0  # the steps its accepted tokens were estimated to save (weighted as `set_rows` says)
         self._call_alone = 0  # tokens it accepted on steps of a lone row, each of which saved a step
+        self._probe: tuple[int, float, float] | None = None  # this step's (rows, best choice's rate, loss charged)
 
     def start_pair(self, prior: dict | None) -> None:
         self._step_stats: dict[int, dict[int, list]] = {}  # rows -> passes -> [steps, tokens per s]
@@ -393,7 +397,19 @@ class CostAwareScheduler(_Calibrated):
         if loss > self._credit.get(rows, 0.0):
             return False
         self._credit[rows] -= loss
+        _, rate, charged = self._probe or (rows, _rate(best), 0.0)  # a second probe: measured against the first's best
+        self._probe = (rows, rate, charged + loss)
         return True
+
+    def _settle_probe(self, rows: int, tokens: float, draft_seconds: float, width: int) -> None:
+        """Charge an explored step what it lost instead of what its estimate said: its drafting and the cost of the
+        verify it ran, less its tokens at the rate of the choice it displaced."""
+        probe, self._probe = self._probe, None
+        if probe is None or probe[0] != rows:  # none, or one whose step never reached the verifier
+            return
+        _, rate, charged = probe
+        lost = draft_seconds + self._verify_seconds(rows, width) - tokens / rate
+        self._credit[rows] = self._credit.get(rows, 0.0) + charged - lost
 
     def expected_rates(self, draft: Draft) -> list[float]:
         """The objective for k = 0..len(draft) of a batch of one: expected emitted tokens per second."""
@@ -470,7 +486,10 @@ class CostAwareScheduler(_Calibrated):
         else:  # a lone row: its tokens are steps saved, counted apart from what the batch's weights promised
             self._call_alone += sum(map(len, accepted))
         self._call_steps += 1
-        self.verify_costs.observe_step(rows, self.verify_width(1 + max(len(d) for d in drafts), rows), verify_time)
+        width = 1 + max(len(d) for d in drafts)
+        self.verify_costs.observe_step(rows, self.verify_width(width, rows), verify_time)
+        tokens = sum(w * (1 + self.batch_worth() * len(kept)) for w, kept in zip(weights, accepted))
+        self._settle_probe(rows, tokens, sum(draft_times), width)
         self._observe_stages(drafts, accepted, sum(draft_times))
         earned = self.EXPLORE_SHARE / rows * (sum(draft_times) + verify_time)
         self._credit[rows] = self._credit.get(rows, 0.0) + earned

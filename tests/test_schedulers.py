@@ -159,6 +159,24 @@ def test_the_credit_saved_at_one_batch_size_pays_for_no_probe_at_another():
     assert s._credit[4] == pytest.approx(100 * 2.0 * s.EXPLORE_SHARE / 4)
 
 
+def test_a_probe_is_charged_what_it_lost_not_what_its_estimate_said():
+    """Acceptance 0.2: verifying 1 node (1.25 s) is estimated at 1.2 tokens, 0.05 s worse than declining (1 token in
+    1 s). A probe of it that keeps nothing lost 0.25 s, and that is what the credit pays; one that keeps its node
+    brought 2 tokens in 1.25 s, and the credit gains the 0.75 s declining would have taken longer for them."""
+    s = CostAwareScheduler(costs={1: 1.0, 17: 5.0})
+    s.reset(PromptLookupDrafter(max_draft_len=16))
+    s.acceptance.tried[:] = 1e6
+    s.acceptance.accepted[:] = 0.2e6
+    s._credit[1] = 1.0
+    assert s.select(draft(8)) == 1
+    s.update(draft(1), [], 0.0, 1.25)
+    assert s._credit[1] == pytest.approx(1.0 + 1.0 * s.EXPLORE_SHARE * 1.25 - 0.25)
+    credit = s._credit[1]
+    assert s.select(draft(8)) == 1
+    s.update(draft(1), [0], 0.0, 1.25)
+    assert s._credit[1] == pytest.approx(credit + s.EXPLORE_SHARE * 1.25 + (2 / 1.0 - 1.25))
+
+
 def test_confidence_scheduler_cuts_where_whole_prefix_probability_drops_below_threshold():
     s = ConfidenceScheduler(threshold=0.5)
     s.reset(PromptLookupDrafter(max_draft_len=8))
