@@ -5,8 +5,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install -q -e ".[experiments]"  # matplotlib, for the plots
 # docs/results/machine-33ms holds what the verify-costs, first-call and regimes commands below printed on a
-# machine whose one-token step costs 33 ms, and docs/results/machine-45ms what verify-costs, first-call, the shipped
-# block's bench and the 8-pair sweeps printed on one whose step costs 43-49 ms (copied there by hand from runs/).
+# machine whose one-token step costs 33 ms, and docs/results/machine-45ms what verify-costs, first-call and the
+# 8-pair sweeps printed on one whose step costs 43-49 ms (copied there by hand from runs/).
 mkdir -p runs/verify-costs && python -m experiments.verify_costs | tee runs/verify-costs/table.txt  # caches the kernel choice
 python -m experiments.scheduler_prior --num-prompts 8 --max-new-tokens 256  # the prior shipped beside the drafter
 for t in 0.7 1.0; do  # and its entries for sampled decoding
