@@ -401,13 +401,17 @@ class CostAwareScheduler(_Calibrated):
         self._probe = (rows, rate, charged + loss)
         return True
 
-    def _settle_probe(self, rows: int, tokens: float, draft_seconds: float, width: int) -> None:
+    def _settle_probe(
+        self, rows: int, weights: list[float], accepted: list[list[int]], draft_seconds: float, width: int
+    ) -> None:
         """Charge an explored step what it lost instead of what its estimate said: its drafting and the cost of the
-        verify it ran, less its tokens at the rate of the choice it displaced."""
+        verify it ran, less its tokens (valued as the estimates value them) at the rate of the choice it displaced."""
         probe, self._probe = self._probe, None
         if probe is None or probe[0] != rows:  # none, or one whose step never reached the verifier
             return
         _, rate, charged = probe
+        worth = self.batch_worth()
+        tokens = sum(w * (1 + worth * len(kept)) for w, kept in zip(weights, accepted))
         lost = draft_seconds + self._verify_seconds(rows, width) - tokens / rate
         self._credit[rows] = self._credit.get(rows, 0.0) + charged - lost
 
@@ -488,8 +492,7 @@ class CostAwareScheduler(_Calibrated):
         self._call_steps += 1
         width = 1 + max(len(d) for d in drafts)
         self.verify_costs.observe_step(rows, self.verify_width(width, rows), verify_time)
-        tokens = sum(w * (1 + self.batch_worth() * len(kept)) for w, kept in zip(weights, accepted))
-        self._settle_probe(rows, tokens, sum(draft_times), width)
+        self._settle_probe(rows, weights, accepted, sum(draft_times), width)
         self._observe_stages(drafts, accepted, sum(draft_times))
         earned = self.EXPLORE_SHARE / rows * (sum(draft_times) + verify_time)
         self._credit[rows] = self._credit.get(rows, 0.0) + earned

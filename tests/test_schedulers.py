@@ -170,7 +170,7 @@ def test_a_probe_is_charged_what_it_lost_not_what_its_estimate_said():
     s._credit[1] = 1.0
     assert s.select(draft(8)) == 1
     s.update(draft(1), [], 0.0, 1.25)
-    assert s._credit[1] == pytest.approx(1.0 + 1.0 * s.EXPLORE_SHARE * 1.25 - 0.25)
+    assert s._credit[1] == pytest.approx(1.0 + s.EXPLORE_SHARE * 1.25 - 0.25)
     credit = s._credit[1]
     assert s.select(draft(8)) == 1
     s.update(draft(1), [0], 0.0, 1.25)
