@@ -162,15 +162,16 @@ class CostAwareScheduler(_Calibrated):
     (scaled by `call_factor` too, a call whose first steps copied little would count that twice and stop drafting).
 
     Estimates are only corrected where they are tried, so a choice the estimates say loses (the next stage up when fewer
-    win, a positive width when declining wins) is still taken now and then, paid from a credit of EXPLORE_SHARE / r of
-    the seconds of every step so far at the same batch size of r rows: a probe is taken where the credit covers what
-    the estimates say it loses (the seconds more than the best choice would take for the same tokens), and once its
-    step is verified it is charged what it lost: its drafting seconds and its verify's cost at the width it verified,
-    less its tokens at the best choice's rate. A probed stage's drafts are often worse than its mean (exploring is
-    done where the estimates are low), so the estimate alone would let a batch lose about twice its share. Where a
-    probe is dear (a wide batch) it is rare, and a batch size runs at most EXPLORE_SHARE / r slower than its
-    estimates' best. What a long run at batch 1 saved is not spent on a batch of 8, where one probe costs several
-    cheap steps; and a batch, whose drafts gain a few percent where they gain at all, keeps almost all of that.
+    win, a positive width when declining wins, a plain step when drafts win by less than PLAIN_DOUBT and no plain step
+    of the batch size was timed lately: `VerifyCostModel.stale`) is still taken now and then, paid from a credit of
+    EXPLORE_SHARE / r of the seconds of every step so far at the same batch size of r rows: a probe is taken where the
+    credit covers what the estimates say it loses (the seconds more than the best choice would take for the same
+    tokens), and once its step is verified it is charged what it lost: its drafting seconds and its verify's cost at
+    the width it verified, less its tokens at the best choice's rate. A probed stage's drafts are often worse than its
+    mean (exploring is done where the estimates are low), so the estimate alone would let a batch lose about twice its
+    share. Where a probe is dear (a wide batch) it is rare, and a batch size runs at most EXPLORE_SHARE / r slower
+    than its estimates' best. What a long run at batch 1 saved is not spent on a batch of 8, where one probe costs
+    several cheap steps; and a batch, whose drafts gain a few percent where they gain at all, keeps almost all of that.
 
     For a multi-step drafter it also picks the number of denoising passes, per batch size: each is tried for
     `STEP_TRIALS` steps, then the one with the best measured tokens per second is used, and the runner-up is retried
@@ -182,6 +183,7 @@ class CostAwareScheduler(_Calibrated):
     STEP_TRIALS = 8
     STEP_EXPLORE = 16
     EXPLORE_SHARE = 0.02
+    PLAIN_DOUBT = 0.2  # how far behind the best choice a plain step with a stale cost may be to be retried
     ALL_STAGES = False  # run every stage at every step (what `experiments.scheduler_prior` measures)
     PRIOR_STEPS = 8  # what the shipped prior's stage statistics count as: the run's own steps soon outweigh them
     MOVING = 0.05  # a step's weight in a running mean after its first 1 / MOVING steps (machine load drifts)
@@ -382,13 +384,25 @@ class CostAwareScheduler(_Calibrated):
         predicted = [draft_expectation(self.acceptance, draft) for draft in drafts]
         options = self.expected_batch_steps(drafts, predicted)
         best = max(range(len(options)), key=lambda w: _rate(options[w]))
+        rows = len(drafts)
         if best == 0 and len(options) > 1:  # what verifying would bring is only learned by verifying
             widest = max(range(1, len(options)), key=lambda w: _rate(options[w]))
-            if self._explore(len(drafts), options[0], options[widest]):
+            if self._explore(rows, options[0], options[widest]):
                 best = widest
+        elif best > 0 and self._plain_in_doubt(rows, options[0], options[best]):
+            if self._explore(rows, options[best], options[0]):
+                best = 0
         ks = [min(best, len(draft)) for draft in drafts]
         self._step_predicted = sum(row[k] for row, k in zip(predicted, ks))  # `update_batch` meets it with the outcome
         return ks
+
+    def _plain_in_doubt(self, rows: int, plain: tuple[float, float], best: tuple[float, float]) -> bool:
+        """Whether a plain step (a step verifying no drafts) is worth taking to be measured: no plain step of this
+        batch size was timed lately (`VerifyCostModel.stale`), and the estimates put it within PLAIN_DOUBT of the
+        best choice, near enough that its stale cost could be what ranks it below. At a batch of 4 on text with
+        little to copy, a verify of drafts gains a few percent where it gains at all: a plain step's cost read
+        under other load, or on other calls' longer contexts, once made the drafts look ahead for a whole call."""
+        return self.verify_costs.stale(rows, drafted=False) and _rate(plain) >= (1 - self.PLAIN_DOUBT) * _rate(best)
 
     def _explore(self, rows: int, best: tuple[float, float], other: tuple[float, float]) -> bool:
         """Take `other` instead of `best` (each (tokens, seconds) of a step of `rows` rows) if the credit at this

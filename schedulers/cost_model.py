@@ -16,7 +16,9 @@ During a run, observed verify times correct it two ways (`VerifyCostModel.observ
 curve (machine load changes), and a factor per batch size, since a batch of 8 rows 2 wide is not a forward of 16
 positions of one sequence (each row attends to its own cache). Widths keep the table's relative costs: a factor per
 width would lock in a noisy reading of a width that, costed too high, is never chosen and so never observed again.
-A batch size never observed takes the factor of the nearest one observed.
+A batch size never observed takes the factor of the nearest one observed. The two kinds of step (plain, and verifies
+of drafts) can still lock in that way: a kind a scheduler has not chosen for a while is `stale`, so that it can be
+tried again (`schedulers.adaptive.CostAwareScheduler`), and its next observation corrects it further than usual.
 """
 
 from __future__ import annotations
@@ -141,6 +143,9 @@ class VerifyCostModel:
     SCALE_RATE = 0.05
     FACTOR_RATE = 0.2
     MAX_MISS = 1.5
+    STALE_STEPS = 16  # steps of a batch size after which a kind of step not observed among them is `stale`
+    STALE_RATE = 0.5  # how far a stale factor moves toward its next observation (in log space)
+    STALE_MISS = 2.0  # and the most that observation's miss counts, either way
 
     def __init__(self, costs: dict[int, float], kernels: dict[int, str] | None = None):
         self.sizes = sorted(costs)
@@ -149,6 +154,8 @@ class VerifyCostModel:
         self.scale = 1.0  # observed / predicted, tracked online
         # (rows, drafts verified) -> that step kind's own factor (`observe_step`)
         self.factors: dict[tuple[int, bool], float] = {}
+        self.steps: dict[int, int] = {}  # rows -> steps of that batch size observed
+        self.last_seen: dict[tuple[int, bool], int] = {}  # (rows, kind) -> its batch size's steps when last observed
 
     @classmethod
     def for_model(cls, model, use_disk_cache: bool = True) -> VerifyCostModel:
@@ -198,6 +205,14 @@ class VerifyCostModel:
         same = [key for key in self.factors if key[1] == drafted] or list(self.factors)
         return self.factors[min(same, key=lambda key: (abs(key[0] - rows), key[0]))]
 
+    def stale(self, rows: int, drafted: bool) -> bool:
+        """Whether this batch size's steps of this kind (verifies of drafts, or plain steps) were last observed more
+        than STALE_STEPS of its steps ago, or never, when steps of it were. Each kind's factor is corrected only by
+        its own steps, so a kind not chosen lately is costed from what it cost then: under other load, or in a call
+        whose rows held other lengths of context. Costed too high, it would never be chosen again to be corrected."""
+        steps = self.steps.get(rows, 0)
+        return steps > 0 and steps - self.last_seen.get((rows, drafted), 0) > self.STALE_STEPS
+
     def kernel(self, m: int) -> str:
         """The kernel a forward of m fed rows runs: a probed width's choice; between two probed widths another
         kernel than PyTorch's only where both chose it; past the table PyTorch's own."""
@@ -223,13 +238,20 @@ class VerifyCostModel:
         """Fold one measured verify time into the scale and the factor of this batch size and kind of step. Both
         move toward the observation in log space, the scale by SCALE_RATE of the miss (load is shared by every shape)
         and the factor by FACTOR_RATE (what is left is this step shape's own), the miss clipped to MAX_MISS either
-        way so that one disturbed step moves neither far."""
+        way so that one disturbed step moves neither far. A `stale` factor moves by STALE_RATE of a miss clipped to
+        STALE_MISS: what it was last corrected to says little of now."""
         predicted = self.step_cost(rows, width)
         if predicted <= 0 or seconds <= 0:
             return
-        miss = min(max(seconds / predicted, 1 / self.MAX_MISS), self.MAX_MISS)
-        self.scale *= miss**self.SCALE_RATE
-        self.factors[rows, width > 1] = self.batch_factor(rows, width) * miss**self.FACTOR_RATE
+        kind = rows, width > 1
+        stale = self.stale(*kind)
+        limit, rate = (self.STALE_MISS, self.STALE_RATE) if stale else (self.MAX_MISS, self.FACTOR_RATE)
+        miss = seconds / predicted
+        if not stale:  # a stale factor's miss is its own error more than the machine's load
+            self.scale *= min(max(miss, 1 / self.MAX_MISS), self.MAX_MISS) ** self.SCALE_RATE
+        self.factors[kind] = self.batch_factor(rows, width) * min(max(miss, 1 / limit), limit) ** rate
+        self.steps[rows] = self.steps.get(rows, 0) + 1
+        self.last_seen[kind] = self.steps[rows]
 
     def _interpolate(self, m: int) -> float:
         sizes, table = self.sizes, self.table

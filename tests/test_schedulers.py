@@ -177,6 +177,46 @@ def test_a_probe_is_charged_what_it_lost_not_what_its_estimate_said():
     assert s._credit[1] == pytest.approx(credit + s.EXPLORE_SHARE * 1.25 + (2 / 1.0 - 1.25))
 
 
+def test_a_plain_step_not_timed_lately_is_retried_where_drafts_win_narrowly():
+    """Acceptance 0.5: verifying 1 node is estimated at 1.5 tokens in 1.25 s, 20% ahead of a plain step (1 token in
+    1 s as last timed). While plain steps are timed, drafts are verified; once none was for STALE_STEPS steps, one
+    is taken from the credit, and it is found to take 0.6 s: corrected at once (by STALE_RATE, not FACTOR_RATE of the
+    miss), it wins outright."""
+    s = CostAwareScheduler(costs={1: 1.0, 17: 5.0})
+    s.reset(PromptLookupDrafter(max_draft_len=16))
+    s.acceptance.tried[:] = 1e6
+    s.acceptance.accepted[:] = 0.5e6
+    for _ in range(3):
+        s.update(draft(8).truncate(0), [], 0.0, 1.0)
+    s._credit[1] = 1.0
+    assert s.select(draft(8)) == 1
+    for _ in range(s.verify_costs.STALE_STEPS + 1):
+        s.update(draft(1), [0], 0.0, 1.25)
+    assert s.verify_costs.stale(1, drafted=False) and not s.verify_costs.stale(1, drafted=True)
+    credit, best = s._credit[1], max(s.expected_rates(draft(8)))  # 1.5 / 1.25 as the call's correction scales it
+    assert s.select(draft(8)) == 0 and s._credit[1] == pytest.approx(credit - (1.0 - 1 / best))
+    s.update(draft(8).truncate(0), [], 0.0, 0.6)
+    assert s.verify_costs.step_cost(1, 1) == pytest.approx(0.6**s.verify_costs.STALE_RATE)
+    s._credit[1] = 0.0  # nothing left to probe drafts with: the estimates' own choice
+    assert s.expected_rates(draft(8))[0] > max(s.expected_rates(draft(8))[1:]) and s.select(draft(8)) == 0
+
+
+def test_a_kind_of_step_not_timed_lately_is_corrected_further_by_its_next_step():
+    """Plain steps of 4 rows timed at twice the table's cost, then STALE_STEPS + 1 verifies of drafts: the plain kind
+    is stale, and its next step, at a quarter of its estimate, moves it by STALE_RATE of a miss clipped to
+    STALE_MISS, leaving the shared scale where it was."""
+    curve = VerifyCostModel({1: 1.0, 4: 1.0, 8: 1.0})
+    for _ in range(50):
+        curve.observe_step(4, 1, 2.0)
+    for _ in range(curve.STALE_STEPS + 1):
+        curve.observe_step(4, 2, 1.0)
+    assert curve.stale(4, drafted=False) and not curve.stale(4, drafted=True) and not curve.stale(2, drafted=False)
+    before, scale = curve.step_cost(4, 1), curve.scale
+    curve.observe_step(4, 1, before / 4)
+    assert curve.step_cost(4, 1) == pytest.approx(before / curve.STALE_MISS**curve.STALE_RATE)
+    assert curve.scale == scale and not curve.stale(4, drafted=False)
+
+
 def test_confidence_scheduler_cuts_where_whole_prefix_probability_drops_below_threshold():
     s = ConfidenceScheduler(threshold=0.5)
     s.reset(PromptLookupDrafter(max_draft_len=8))
