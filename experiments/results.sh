@@ -5,8 +5,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install -q -e ".[experiments]"  # matplotlib, for the plots
 # docs/results/machine-33ms holds what the verify-costs, first-call and regimes commands below printed on a
-# machine whose one-token step costs 33 ms, and docs/results/machine-45ms what verify-costs, first-call and the
-# 8-pair sweeps printed on one whose step costs 43-49 ms (copied there by hand from runs/).
+# machine whose one-token step costs 33 ms, and docs/results/machine-45ms what verify-costs, first-call, the
+# shipped block's bench and the 8-pair sweeps printed on one whose step costs 43-49 ms (copied there by hand from
+# runs/).
 mkdir -p runs/verify-costs && python -m experiments.verify_costs | tee runs/verify-costs/table.txt  # caches the kernel choice
 python -m experiments.scheduler_prior --num-prompts 8 --max-new-tokens 256  # the prior shipped beside the drafter
 for t in 0.7 1.0; do  # and its entries for sampled decoding
@@ -37,12 +38,9 @@ python -m experiments.regimes --datasets heldout,dev,mt-bench,humaneval --batch-
     --num-prompts 8 --max-new-tokens 64 --repeats 1 --min-pairs 8 --out runs/regimes-greedy
 python -m experiments.regimes --datasets heldout,dev,mt-bench,humaneval --batch-sizes 1,2,4,8 --temperatures 0.7,1.0 \
     --num-prompts 8 --max-new-tokens 64 --repeats 1 --min-pairs 8 --out runs/regimes-sampled
-# T 0.7 alone (machine-45ms/regimes-t07; about 37 minutes) and the batch-4 greedy cells alone, straight after the
-# greedy sweep (machine-45ms/regimes-greedy-b4; about 8 minutes).
+# T 0.7 alone (machine-45ms/regimes-t07; about 37 minutes).
 python -m experiments.regimes --datasets heldout,dev,mt-bench,humaneval --batch-sizes 1,2,4,8 --temperatures 0.7 \
     --num-prompts 8 --max-new-tokens 64 --repeats 1 --min-pairs 8 --out runs/regimes-t07
-python -m experiments.regimes --datasets heldout,dev,mt-bench,humaneval --batch-sizes 4 --temperatures 0 \
-    --num-prompts 8 --max-new-tokens 64 --repeats 1 --min-pairs 8 --out runs/regimes-greedy-b4
 # The same greedy cells of dev and HumanEval with a fixed number of drafted nodes a row: what the default's choices
 # could reach at batch 2 and 8 (machine-33ms/regimes-fixed).
 python -m experiments.regimes --datasets dev,humaneval --batch-sizes 2,8 --temperatures 0 \
