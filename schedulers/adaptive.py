@@ -401,7 +401,7 @@ class CostAwareScheduler(_Calibrated):
         batch size was timed lately (`VerifyCostModel.stale`), and the estimates put it within PLAIN_DOUBT of the
         best choice, near enough that its stale cost could be what ranks it below. At a batch of 4 on text with
         little to copy, a verify of drafts gains a few percent where it gains at all: a plain step's cost read
-        under other load, or on other calls' longer contexts, once made the drafts look ahead for a whole call."""
+        under other load, or on other calls' longer contexts, can make the drafts look ahead for a whole call."""
         return self.verify_costs.stale(rows, drafted=False) and _rate(plain) >= (1 - self.PLAIN_DOUBT) * _rate(best)
 
     def _explore(self, rows: int, best: tuple[float, float], other: tuple[float, float]) -> bool:
