@@ -207,9 +207,10 @@ class VerifyCostModel:
 
     def stale(self, rows: int, drafted: bool) -> bool:
         """Whether this batch size's steps of this kind (verifies of drafts, or plain steps) were last observed more
-        than STALE_STEPS of its steps ago (or never, where steps of the batch size were). Each kind's factor is corrected only by
-        its own steps, so a kind not chosen lately is costed from what it cost then: under other load, or in a call
-        whose rows held other lengths of context. Costed too high, it would never be chosen again to be corrected."""
+        than STALE_STEPS of its steps ago (or never, where steps of the batch size were). Each kind's factor is
+        corrected only by its own steps, so a kind not chosen lately is costed from what it cost then: under other
+        load, or in a call whose rows held other lengths of context. Costed too high, it would never be chosen again
+        to be corrected."""
         steps = self.steps.get(rows, 0)
         return steps > 0 and steps - self.last_seen.get((rows, drafted), 0) > self.STALE_STEPS
 
