@@ -23,6 +23,8 @@ for set in mt-bench heldout; do  # sampling at T = 0.7 under one seed per prompt
         --repeats 1 --temperature 0.7 --top-p 0.9 --methods plain,hybrid-default \
         --out runs/bench-sampling-$set | tee runs/bench-sampling-$set/table.txt
 done
+# machine-45ms/shipped-block/bench-sampling-SET: the same with the lookup and store alone beside the default
+# (--methods plain,hybrid-default,hybrid-match-store); its bench-SET is the branch loop below on all four sets.
 mkdir -p runs/first-call && python -m experiments.first_call --dataset mt-bench --num-prompts 3 --max-new-tokens 128 \
     --warm-prompts 3 --out runs/first-call | tee runs/first-call/table.txt
 mkdir -p runs/online-store && python -m experiments.online_store --model default --num-prompts 4 --max-new-tokens 128 \
@@ -33,14 +35,12 @@ mkdir -p runs/online-store && python -m experiments.online_store --model default
 python -m experiments.regimes --datasets heldout,dev,mt-bench,humaneval --batch-sizes 1,2,4,8 --temperatures 0,0.7,1.0 \
     --num-prompts 8 --max-new-tokens 64 --repeats 1 --min-pairs 4 --out runs/regimes
 # The cells again with at least 8 paired runs a cell, as a cell of 4 moves by a few percent between runs: greedy
-# (machine-33ms/regimes-greedy; about 30 minutes on 2 cores) and sampled (machine-33ms/regimes; about 50 minutes).
+# (machine-33ms/regimes-greedy and machine-45ms/regimes-greedy; about 30-36 minutes on 2 cores) and sampled
+# (machine-33ms/regimes and machine-45ms/regimes-sampled; about 50-80 minutes).
 python -m experiments.regimes --datasets heldout,dev,mt-bench,humaneval --batch-sizes 1,2,4,8 --temperatures 0 \
     --num-prompts 8 --max-new-tokens 64 --repeats 1 --min-pairs 8 --out runs/regimes-greedy
 python -m experiments.regimes --datasets heldout,dev,mt-bench,humaneval --batch-sizes 1,2,4,8 --temperatures 0.7,1.0 \
     --num-prompts 8 --max-new-tokens 64 --repeats 1 --min-pairs 8 --out runs/regimes-sampled
-# T 0.7 alone (machine-45ms/regimes-t07; about 37 minutes).
-python -m experiments.regimes --datasets heldout,dev,mt-bench,humaneval --batch-sizes 1,2,4,8 --temperatures 0.7 \
-    --num-prompts 8 --max-new-tokens 64 --repeats 1 --min-pairs 8 --out runs/regimes-t07
 # The same greedy cells of dev and HumanEval with a fixed number of drafted nodes a row: what the default's choices
 # could reach at batch 2 and 8 (machine-33ms/regimes-fixed).
 python -m experiments.regimes --datasets dev,humaneval --batch-sizes 2,8 --temperatures 0 \
@@ -144,7 +144,7 @@ python -m experiments.heldout --block drafters/checkpoints/smollm2-135m-block-gp
     --ngram-store drafters/checkpoints/smollm2-135m-ngram --max-ngrams 32 --prefer-store 0.5 --lookup 7 \
     --anchors-per-answer 16 | tee runs/heldout/branch.md
 python -m experiments.scheduler_prior --branch 2 --num-prompts 8 --max-new-tokens 256
-for set in dev heldout; do
+for set in dev heldout mt-bench humaneval; do
     mkdir -p runs/branch/bench-$set && python -m experiments.bench --dataset $set --num-prompts 8 --max-new-tokens 256 \
         --repeats 1 --methods plain,hybrid-default,hybrid-default-branch2,hybrid-match-store \
         --out runs/branch/bench-$set | tee runs/branch/bench-$set/table.txt
