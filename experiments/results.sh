@@ -127,6 +127,14 @@ python -m experiments.heldout --answers drafters/checkpoints/smollm2-135m-dev-ch
     --block drafters/checkpoints/smollm2-135m-block-gpu --passes 1,7 --fill --branch 0,2 \
     --ngram-store drafters/checkpoints/smollm2-135m-ngram --max-ngrams 32 --prefer-store 0.5 --lookup 7 \
     --anchors-per-answer 48 | tee runs/shipped-block/dev-chat-base.md
+# Its own first 2 and 7 tokens verified beside the default's chain: the branch, and the longer of the two drafts.
+python -m experiments.heldout --block drafters/checkpoints/smollm2-135m-block --passes 3 --fill --branch 0,2,7 \
+    --ngram-store drafters/checkpoints/smollm2-135m-ngram --max-ngrams 32 --prefer-store 0.5 --lookup 7 \
+    --anchors-per-answer 16 | tee runs/shipped-block/branch-heldout.md
+python -m experiments.heldout --answers drafters/checkpoints/smollm2-135m-dev-chat \
+    --block drafters/checkpoints/smollm2-135m-block --passes 3 --fill --branch 0,2,7 \
+    --ngram-store drafters/checkpoints/smollm2-135m-ngram --max-ngrams 32 --prefer-store 0.5 --lookup 7 \
+    --anchors-per-answer 48 | tee runs/shipped-block/branch-dev-chat.md
 python -m experiments.verify_costs | tee runs/shipped-block/verify-costs.txt
 for set in heldout mt-bench humaneval dev; do
     mkdir -p runs/shipped-block/bench-$set && python -m experiments.bench --dataset $set --num-prompts 8 \
