@@ -6,8 +6,8 @@ cd "$(dirname "$0")/.."
 python -m pip install -q -e ".[experiments]"  # matplotlib, for the plots
 # docs/results/machine-33ms holds what the verify-costs, first-call and regimes commands below printed on a
 # machine whose one-token step costs 33 ms, and docs/results/machine-45ms what verify-costs, first-call, the
-# shipped block's bench and the 8-pair sweeps printed on one whose step costs 43-49 ms (copied there by hand from
-# runs/).
+# shipped block's bench, the 8-pair sweeps and the 24-pair cells printed on one whose step costs 43-49 ms (copied
+# there by hand from runs/).
 mkdir -p runs/verify-costs && python -m experiments.verify_costs | tee runs/verify-costs/table.txt  # caches the kernel choice
 python -m experiments.scheduler_prior --num-prompts 8 --max-new-tokens 256  # the prior shipped beside the drafter
 for t in 0.7 1.0; do  # and its entries for sampled decoding
@@ -41,6 +41,12 @@ python -m experiments.regimes --datasets heldout,dev,mt-bench,humaneval --batch-
     --num-prompts 8 --max-new-tokens 64 --repeats 1 --min-pairs 8 --out runs/regimes-greedy
 python -m experiments.regimes --datasets heldout,dev,mt-bench,humaneval --batch-sizes 1,2,4,8 --temperatures 0.7,1.0 \
     --num-prompts 8 --max-new-tokens 64 --repeats 1 --min-pairs 8 --out runs/regimes-sampled
+# The cells of those that read below 0.97x on the 45 ms machine, with at least 24 paired runs a cell
+# (machine-45ms/regimes-floor/sampled-t1, greedy-mt-bench-b2, greedy-heldout-b8; about 27, 6 and 7 minutes).
+F="python -m experiments.regimes --num-prompts 8 --max-new-tokens 64 --repeats 1 --min-pairs 24"
+$F --datasets heldout,mt-bench --batch-sizes 2,4 --temperatures 1.0 --out runs/regimes-floor/sampled-t1
+$F --datasets mt-bench --batch-sizes 2 --temperatures 0 --out runs/regimes-floor/greedy-mt-bench-b2
+$F --datasets heldout --batch-sizes 8 --temperatures 0 --out runs/regimes-floor/greedy-heldout-b8
 # The same greedy cells of dev and HumanEval with a fixed number of drafted nodes a row: what the default's choices
 # could reach at batch 2 and 8 (machine-33ms/regimes-fixed).
 python -m experiments.regimes --datasets dev,humaneval --batch-sizes 2,8 --temperatures 0 \
