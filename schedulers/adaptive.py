@@ -173,11 +173,6 @@ class CostAwareScheduler(_Calibrated):
     than its estimates' best. What a long run at batch 1 saved is not spent on a batch of 8, where one probe costs
     several cheap steps; and a batch, whose drafts gain a few percent where they gain at all, keeps almost all of that.
 
-    Seconds measured at a step (D_n, V_n, the passes' tokens per second below) are kept divided by the cost model's
-    scale at that step, the machine's load as the verify times show it, and multiplied by its scale now where they are
-    compared: an option chosen less often would otherwise be costed at the load of when it last ran, and a swing of
-    the host's load would rank the options by when each ran.
-
     For a multi-step drafter it also picks the number of denoising passes, per batch size: each is tried for
     `STEP_TRIALS` steps, then the one with the best measured tokens per second is used, and the runner-up is retried
     every `STEP_EXPLORE` steps (more passes cost drafter time and pay only if they raise acceptance, which only
@@ -374,7 +369,7 @@ class CostAwareScheduler(_Calibrated):
         in its width: costed at the mean width, such a stage looks dearer than its steps were."""
         measured = self._stage_verify.get(rows)
         if measured is not None and measured[n][0]:
-            return measured[n][1] * self.verify_costs.scale
+            return measured[n][1]
         return self._verify_seconds(rows, max(1, round(width)))
 
     def expected_stage_rates(self, rows: int) -> list[float]:
@@ -476,7 +471,7 @@ class CostAwareScheduler(_Calibrated):
         if not timed:
             return 0.0
         nearest = nearest_size(timed, rows)
-        return self._draft_cost[nearest][stages][1] * rows / nearest * self.verify_costs.scale
+        return self._draft_cost[nearest][stages][1] * rows / nearest
 
     def _gain(self, rows: int) -> list[list[float]]:
         """[steps, T_n, W_n] per n at this batch size; for an n never measured at it, the nearest batch size's."""
@@ -516,8 +511,7 @@ class CostAwareScheduler(_Calibrated):
         earned = self.EXPLORE_SHARE / rows * (sum(draft_times) + verify_time)
         self._credit[rows] = self._credit.get(rows, 0.0) + earned
         if self._stages == self.num_stages and self._passes_mattered(drafts):
-            seconds = (sum(draft_times) + verify_time) / self.verify_costs.scale
-            self._observe_steps(rows, sum(map(len, accepted)) + rows, seconds)
+            self._observe_steps(rows, sum(map(len, accepted)) + rows, sum(draft_times) + verify_time)
 
     def _passes_mattered(self, drafts: list[Draft]) -> bool:
         """Whether a step's verified nodes include a multi-pass stage's. Passes are compared on those steps alone:
@@ -529,10 +523,9 @@ class CostAwareScheduler(_Calibrated):
         """Fold one step into T_n and W_n for every n up to the stages that ran, and into D of those stages, at this
         step's batch size."""
         rows = len(drafts)
-        load = self.verify_costs.scale  # seconds are kept at the table's load (the class's docstring)
         if draft_seconds > 0:  # a step with no room left to draft says nothing of what drafting costs
             cost = self._draft_cost.setdefault(rows, [[0, 0.0] for _ in range(self.num_stages + 1)])
-            _fold(cost[self._stages], draft_seconds / load, moving=self.MOVING)
+            _fold(cost[self._stages], draft_seconds, moving=self.MOVING)
         # A step that ran n stages measures T_m and W_m for every m <= n: the option chosen is always corrected by
         # its outcome (an estimate only stages that were not run could correct would lock a losing choice in).
         gain = self._stage_gain.setdefault(rows, self._no_gain())
@@ -544,7 +537,7 @@ class CostAwareScheduler(_Calibrated):
             tokens = sum(w * k for w, k in zip(weights, kept)) / sum(weights)  # the rows finishing last count most
             width = 1 + max(sum(s < n for s in stage) for stage in stages)
             _fold(gain[n], tokens, width, moving=self.MOVING)
-            _fold(verify[n], self._verify_seconds(rows, width) / load, moving=self.MOVING)
+            _fold(verify[n], self._verify_seconds(rows, width), moving=self.MOVING)
 
     def _observe_steps(self, rows: int, tokens: float, seconds: float) -> None:
         """Fold one step's emitted tokens per second into the statistics of the passes it used at its batch size."""
