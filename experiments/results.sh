@@ -42,7 +42,7 @@ python -m experiments.regimes --datasets heldout,dev,mt-bench,humaneval --batch-
 python -m experiments.regimes --datasets heldout,dev,mt-bench,humaneval --batch-sizes 1,2,4,8 --temperatures 0.7,1.0 \
     --num-prompts 8 --max-new-tokens 64 --repeats 1 --min-pairs 8 --out runs/regimes-sampled
 # The cells of those that read below 0.97x on the 45 ms machine, with at least 24 paired runs a cell
-# (machine-45ms/regimes-floor/sampled-t1, greedy-mt-bench-b2, greedy-heldout-b8; about 27, 6 and 7 minutes).
+# (machine-45ms/regimes-floor/sampled-t1, greedy-mt-bench-b2, greedy-heldout-b8; about 24, 5 and 7 minutes).
 F="python -m experiments.regimes --num-prompts 8 --max-new-tokens 64 --repeats 1 --min-pairs 24"
 $F --datasets heldout,mt-bench --batch-sizes 2,4 --temperatures 1.0 --out runs/regimes-floor/sampled-t1
 $F --datasets mt-bench --batch-sizes 2 --temperatures 0 --out runs/regimes-floor/greedy-mt-bench-b2
