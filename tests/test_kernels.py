@@ -56,6 +56,57 @@ def test_a_packed_weight_follows_changes_to_the_modules_weight():
     torch.testing.assert_close(packed_linear(layer, x), nn.functional.linear(x, layer.weight, layer.bias))
 
 
+def _behind_the_version_counter(layer: nn.Linear, change: str) -> None:
+    """Change `layer`'s weight as code that goes around autograd does, leaving `weight._version` as it was."""
+    if change == "data-in-place":  # PEFT's LoRA merge: weight.data += delta
+        layer.weight.data += 0.5 * torch.randn_like(layer.weight)
+    elif change == "data-replaced":  # PEFT's safe merge, DeepSpeed and FSDP: weight.data = other
+        layer.weight.data = torch.randn_like(layer.weight)
+    elif change == "dtype-round-trip":  # model.half().float(): the weight rounded, in new memory
+        layer.half()
+        layer.float()
+    elif change == "one-row":  # one output's weights edited in place (a new token's row of an LM head)
+        layer.weight.data[7] *= -10.0
+    else:
+        raise ValueError(change)
+
+
+CHANGES_BEHIND_THE_VERSION_COUNTER = ["data-in-place", "data-replaced", "dtype-round-trip", "one-row"]
+
+
+@needs_packed
+@pytest.mark.parametrize("change", CHANGES_BEHIND_THE_VERSION_COUNTER)
+def test_a_weight_changed_behind_its_version_counter_is_reordered_again_by_the_next_call(change):
+    """`.data` (and numpy) writes leave a tensor's version counter as it was: a call starts by forgetting every
+    reordered copy whose weight has other memory or other values in its rows (`forget_changed_weights`)."""
+    layer = nn.Linear(64, 32)
+    x = torch.randn(3, 64)
+    packed_linear(layer, x)
+    version = layer.weight._version
+    _behind_the_version_counter(layer, change)
+    assert layer.weight._version == version
+    kernels.forget_changed_weights([layer])
+    torch.testing.assert_close(packed_linear(layer, x), nn.functional.linear(x, layer.weight, layer.bias))
+
+
+@needs_packed
+@pytest.mark.parametrize("change", ["data-in-place", "data-replaced", "one-row"])  # a round trip keeps its argmaxes
+def test_generate_after_a_weight_changed_behind_its_version_counter_equals_model_generate(
+    change, tmp_path, monkeypatch
+):
+    """A user who merges a LoRA into the verifier between two calls gets the merged model's output from the second."""
+    monkeypatch.setenv("HYBRID_COSTS", str(tmp_path / "costs"))
+    model = tiny_model("llama", 64, 2, seed=0)
+    VerifyCostModel(dict.fromkeys(range(1, 10), 1.0), dict.fromkeys(range(1, 10), "packed")).save(model)
+    before = model.generate(IDS, max_new_tokens=12, do_sample=False)
+    assert torch.equal(hybrid.generate(model, IDS, drafter=PromptLookupDrafter(), max_new_tokens=12), before)
+    assert model.lm_head in kernels._PACKED  # the call reordered the head's weight
+    _behind_the_version_counter(model.lm_head, change)
+    after = model.generate(IDS, max_new_tokens=12, do_sample=False)
+    assert not torch.equal(after, before)  # the change matters to the output
+    assert torch.equal(hybrid.generate(model, IDS, drafter=PromptLookupDrafter(), max_new_tokens=12), after)
+
+
 def rows_seen(kernel: str = "weight-left"):
     """A spy on one kernel: the row counts it computed, in order."""
     name = {"weight-left": "weight_left_linear", "packed": "packed_linear"}[kernel]

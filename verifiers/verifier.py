@@ -25,7 +25,7 @@ from verifiers.cache import (
     row_mask_problem,
     tree_layout,
 )
-from verifiers.kernels import chosen_kernels, cpu_linears, prepare_linears
+from verifiers.kernels import chosen_kernels, cpu_linears, forget_changed_weights, prepare_linears
 
 STATIC_CAPACITY_STEP = 256  # static caches are sized in multiples of this many slots
 
@@ -145,6 +145,7 @@ class Verifier:
         """Within the block, the linears' chosen kernels stay installed (`verifiers.kernels.chosen_kernels`), so a
         forward does not install and remove a forward on each of the model's linears (milliseconds on a CPU) around
         itself. A call decodes within one such block; the model is as it was afterwards."""
+        forget_changed_weights(self.linears)  # reordered copies of weights written through `.data` since
         if not self.row_kernels or self._kernels_in_place:
             yield
             return
