@@ -449,11 +449,11 @@ def _check_config(config: GenerationConfig) -> None:
         value = getattr(config, name, off)
         if value is not None and value != off and not (name == "guidance_scale" and value == 1):
             raise ValueError(f"hybrid.generate does not support {name}={value!r}: {fix}")
-    if config.cache_implementation not in (None, "static"):
+    if config.cache_implementation not in (None, "dynamic", "static"):  # "dynamic": what generate does unasked
         raise ValueError(
             f"hybrid.generate does not support cache_implementation={config.cache_implementation!r}: "
             "hybrid manages its own cache; pass cache_implementation='static' for its static-shape "
-            "path (compiled, CUDA graphs) or leave it unset"
+            "path (compiled, CUDA graphs) or leave it unset (or 'dynamic')"
         )
     if config.compile_config is not None and config.cache_implementation != "static":
         raise ValueError(

@@ -387,6 +387,8 @@ OFF_VALUES = {
     "return_dict_in_generate=False": {"return_dict_in_generate": False, "output_scores": False},
     "generation_config=None": {"generation_config": None},
     "use_cache=True": {"use_cache": True},
+    "cache_implementation=dynamic (generate's own default)": {"cache_implementation": "dynamic"},
+    "cache_implementation=None": {"cache_implementation": None},
 }
 
 
