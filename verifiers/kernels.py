@@ -70,14 +70,17 @@ def weight_left_linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class _Reordered:
-    """A weight's reordered copy and what tells whether the weight is still the one it was made from."""
+    """A weight's reordered copy, and what tells whether the weight is still what it was made from: the same
+    parameter at the same in-place version (ops on the weight count, writes through `.data` do not), its elements at
+    the same address (`weight.data = other` moves them; memory freed since and handed to a later `.data` at that
+    address shows in `rows`, unless it holds the same bits there), the same shape and dtype (`model.half()` keeps the
+    parameter), and the same bits in one element of each row (`_row_sample`)."""
 
-    weight: torch.Tensor  # held, so that its memory is not reused by another tensor that could then pass for it
-    version: int  # its in-place version then: ops on the weight itself count, writes through `.data` do not
-    memory: torch.UntypedStorage  # its memory then, held so that no other tensor is given that address
-    address: int  # where its elements started then: `weight.data = other` moves them
-    form: tuple  # its shape and dtype then (`model.half()` keeps the tensor, not its form)
-    rows: torch.Tensor  # the bits of one element of each row (`_row_sample`) then
+    weight: torch.Tensor
+    version: int
+    address: int
+    form: tuple
+    rows: torch.Tensor
     packed: torch.Tensor
 
 
@@ -98,11 +101,8 @@ def packed_weight(module: nn.Linear) -> torch.Tensor:
     if entry is None or entry.weight is not weight or entry.version != weight._version:
         with torch.no_grad():
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKED_FOR_ROWS)
-        memory = weight.untyped_storage()
         form = (weight.shape, weight.dtype)
-        entry = _Reordered(
-            weight, weight._version, memory, weight.data_ptr(), form, _row_sample(weight).clone(), packed
-        )
+        entry = _Reordered(weight, weight._version, weight.data_ptr(), form, _row_sample(weight).clone(), packed)
         _PACKED[module] = entry
     return entry.packed
 
