@@ -107,6 +107,19 @@ def test_generate_after_a_weight_changed_behind_its_version_counter_equals_model
     assert torch.equal(hybrid.generate(model, IDS, drafter=PromptLookupDrafter(), max_new_tokens=12), after)
 
 
+@needs_packed
+def test_a_call_frees_the_reordered_copies_of_weights_no_longer_float32(tmp_path, monkeypatch):
+    """`model.half()` after a call: the next call keeps no float32 copy of what is now a float16 weight."""
+    monkeypatch.setenv("HYBRID_COSTS", str(tmp_path / "costs"))
+    model = tiny_model("llama", 64, 2, seed=0)
+    VerifyCostModel(dict.fromkeys(range(1, 10), 1.0), dict.fromkeys(range(1, 10), "packed")).save(model)
+    hybrid.generate(model, IDS, drafter=None, max_new_tokens=4)
+    assert model.lm_head in kernels._PACKED
+    model.half()
+    hybrid.generate(model, IDS, drafter=None, max_new_tokens=4)
+    assert not any(module in kernels._PACKED for module in model.modules())
+
+
 def rows_seen(kernel: str = "weight-left"):
     """A spy on one kernel: the row counts it computed, in order."""
     name = {"weight-left": "weight_left_linear", "packed": "packed_linear"}[kernel]

@@ -107,14 +107,14 @@ def packed_weight(module: nn.Linear) -> torch.Tensor:
     return entry.packed
 
 
-def forget_changed_weights(linears: list[nn.Linear]) -> None:
-    """Forget the reordered copy of each of `linears` whose weight changed behind its version counter: code that
+def forget_changed_weights(modules) -> None:
+    """Forget the reordered copy of each of `modules` whose weight changed behind its version counter: code that
     writes through `.data` (PEFT merging a LoRA, `weight.data = other`, `model.half().float()`, a row edited in
     place) leaves the counter as it was. Such a weight has other memory, or other bits in some row's sampled
     element; a change that leaves every sampled element as it was (a few elements edited through `.data`) goes
     unseen. A call runs this as it starts (`Verifier.kernels`): 3-5 ms for SmolLM2-135M's 211 linears on a 2-core
     CPU, where reading every element would cost about a forward."""
-    for module in linears:
+    for module in modules:
         entry = _PACKED.get(module)
         if entry is None:
             continue

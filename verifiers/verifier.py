@@ -145,7 +145,8 @@ class Verifier:
         """Within the block, the linears' chosen kernels stay installed (`verifiers.kernels.chosen_kernels`), so a
         forward does not install and remove a forward on each of the model's linears (milliseconds on a CPU) around
         itself. A call decodes within one such block; the model is as it was afterwards."""
-        forget_changed_weights(self.linears)  # reordered copies of weights written through `.data` since
+        # Reordered copies of weights written through `.data` since, or no longer float32 (`model.half()`: freed).
+        forget_changed_weights(self.model.modules())
         if not self.row_kernels or self._kernels_in_place:
             yield
             return
