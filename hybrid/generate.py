@@ -25,7 +25,7 @@ from schedulers.base import Scheduler
 from schedulers.cost_model import cached_kernel_choice
 from verifiers.cache import foreign_cache_reason
 from verifiers.logits import shared_processors
-from verifiers.verifier import Verifier, check_causal_lm
+from verifiers.verifier import Verifier, adapted_model, check_causal_lm
 
 # `generate` arguments outside GenerationConfig that this engine honours.
 _CALL_ARGS = (
@@ -172,6 +172,8 @@ def generate(
     gives; rows that finish early are padded with `pad_token_id`, as `generate` pads them, and stop costing
     work.
 
+    `model` is a causal LM, or a PEFT model whose adapters act within one (LoRA and its kin).
+
     Args beyond `generate`'s:
         drafter: a `drafters.Drafter` (None: no drafting, plain AR decoding through this engine).
         scheduler: a `schedulers.Scheduler` choosing the draft length (default: a `CostAwareScheduler`
@@ -185,6 +187,7 @@ def generate(
             speculative sampling's min(1, p/q) rule when sampling, exact in distribution only if each drafted
             token really was drawn from the `Draft.probs` its drafter reports.
     """
+    model = adapted_model(model)  # a PEFT model with LoRA-type adapters: the causal LM they act within
     check_causal_lm(model)
     if generation_config is not None and not isinstance(generation_config, GenerationConfig):
         raise TypeError(

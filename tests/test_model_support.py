@@ -374,3 +374,45 @@ def test_per_layer_head_sizes_are_read_per_layer():
     prompt = torch.randint(1, 96, (1, 12), generator=torch.Generator().manual_seed(1))
     for drafter in (None, PromptLookupDrafter(), ModelDrafter(model)):
         check_greedy_lossless(model, prompt, drafter, max_new_tokens=30)
+
+
+class _AdapterConfig:
+    def __init__(self, peft_type: str, is_prompt_learning: bool):
+        self.peft_type, self.is_prompt_learning = peft_type, is_prompt_learning
+
+
+class _PeftLike(torch.nn.Module):
+    """What hybrid reads of a PEFT `PeftModel`: its active adapter's config and the causal LM inside it."""
+
+    def __init__(self, model, config: _AdapterConfig):
+        super().__init__()
+        self.model, self.active_peft_config = model, config
+
+    def get_base_model(self):
+        return self.model
+
+
+def test_a_peft_model_with_lora_type_adapters_decodes_through_the_model_they_act_within():
+    model = tiny_model("llama", 64, 2, seed=0)
+    ids = torch.tensor([[1, 2, 3, 1, 2, 3, 1, 2]])
+    expected = model.generate(ids, max_new_tokens=12, **GREEDY)
+    peft_like = _PeftLike(model, _AdapterConfig("LORA", is_prompt_learning=False))
+    assert torch.equal(
+        hybrid.generate(peft_like, ids, drafter=PromptLookupDrafter(), max_new_tokens=12, **GREEDY), expected
+    )
+    prompt_tuned = _PeftLike(model, _AdapterConfig("PROMPT_TUNING", is_prompt_learning=True))
+    with pytest.raises(TypeError, match=r"_PeftLike carries a prompt-learning adapter \(PROMPT_TUNING\).*LoRA"):
+        hybrid.generate(prompt_tuned, ids, drafter=None, max_new_tokens=4)
+
+
+def test_a_lora_attached_with_peft_gives_peft_models_generate_output():
+    peft = pytest.importorskip("peft")  # not a dependency: where it is installed, its own model and adapter
+    model = tiny_model("llama", 64, 2, seed=0)
+    torch.manual_seed(0)
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    peft_model = peft.get_peft_model(model, config).eval()
+    ids = torch.tensor([[1, 2, 3, 1, 2, 3, 1, 2]])
+    expected = peft_model.generate(input_ids=ids, max_new_tokens=12, **GREEDY)
+    assert torch.equal(
+        hybrid.generate(peft_model, ids, drafter=PromptLookupDrafter(), max_new_tokens=12, **GREEDY), expected
+    )

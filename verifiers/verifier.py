@@ -30,6 +30,23 @@ from verifiers.kernels import chosen_kernels, cpu_linears, forget_changed_weight
 STATIC_CAPACITY_STEP = 256  # static caches are sized in multiples of this many slots
 
 
+def adapted_model(model):
+    """`model`, or the causal LM inside a PEFT `PeftModel` whose adapters act within that model's layers (LoRA and
+    its kin), where `peft_model.generate` is that model's own `generate`, adapters included. Prompt-learning adapters
+    (prefix, prompt and p-tuning) feed tokens or cache of their own around the model, which a verify would not see:
+    refused by name. (Read by duck typing: PEFT is not a dependency.)"""
+    config = getattr(model, "active_peft_config", None)
+    if isinstance(model, PreTrainedModel) or config is None or not callable(getattr(model, "get_base_model", None)):
+        return model
+    if getattr(config, "is_prompt_learning", False):
+        raise TypeError(
+            f"{type(model).__name__} carries a prompt-learning adapter ({getattr(config, 'peft_type', '?')}), whose "
+            "virtual tokens a verify of the causal LM would not see: decode it with its own generate, or use an "
+            "adapter that acts within the model's layers (LoRA)"
+        )
+    return model.get_base_model()
+
+
 def check_causal_lm(model, role: str = "verifier") -> None:
     """Raise a clear error unless `model` is a decoder-only Hugging Face LM that can generate."""
     if not isinstance(model, PreTrainedModel) or not isinstance(model, GenerationMixin):
