@@ -46,6 +46,8 @@ python -m experiments.regimes --datasets heldout,dev,mt-bench,humaneval --batch-
 F="python -m experiments.regimes --num-prompts 8 --max-new-tokens 64 --repeats 1 --min-pairs 24"
 $F --datasets heldout,mt-bench --batch-sizes 2,4 --temperatures 1.0 --out runs/regimes-floor/sampled-t1
 $F --datasets mt-bench --batch-sizes 2 --temperatures 0 --out runs/regimes-floor/greedy-mt-bench-b2
+python -m experiments.regimes --datasets mt-bench --batch-sizes 2 --temperatures 0 --num-prompts 8 --max-new-tokens 64 \
+    --repeats 1 --min-pairs 48 --out runs/regimes-floor/greedy-mt-bench-b2-48  # the one below at 24 (11 minutes)
 $F --datasets heldout --batch-sizes 8 --temperatures 0 --out runs/regimes-floor/greedy-heldout-b8
 # The same greedy cells of dev and HumanEval with a fixed number of drafted nodes a row: what the default's choices
 # could reach at batch 2 and 8 (machine-33ms/regimes-fixed).
