@@ -39,6 +39,15 @@ def near_tie_eps(dtype: torch.dtype, top_score: float) -> float:
     return max(NEAR_TIE_EPS, 2 * torch.finfo(dtype).eps * max(1.0, abs(top_score)))
 
 
+def compute_dtype(model) -> torch.dtype:
+    """The dtype `model` computes its scores in: autocast's where autocast is on for its device (both `generate`
+    and hybrid then run PyTorch's autocast products), else its own."""
+    device = model.device.type
+    if device in ("cpu", "cuda") and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return model.dtype
+
+
 GREEDY_CHECKS = {"checked": 0, "near_ties": 0}  # how often the near-tie exception was needed, this process
 SAMPLE_EPS = 1e-4  # largest difference between the two runs' probabilities where a boundary draw may differ
 SAMPLING_CHECKS = {"checked": 0, "boundary_draws": 0}
@@ -250,11 +259,12 @@ def check_greedy_lossless(
         )
     j = int(mismatch[0])
     top2 = ref.scores[j][0].topk(2).values
-    gap, eps = float(top2[0] - top2[1]), near_tie_eps(model.dtype, float(top2[0]))
+    dtype = compute_dtype(model)
+    gap, eps = float(top2[0] - top2[1]), near_tie_eps(dtype, float(top2[0]))
     if gap >= eps:
         raise AssertionError(
             f"greedy output differs at new token {j}: model.generate chose {int(expected[j])}, hybrid chose "
-            f"{int(got[j])}; top-2 score gap {gap:.3g} >= {eps:.3g} (not a near tie in {model.dtype})\n"
+            f"{int(got[j])}; top-2 score gap {gap:.3g} >= {eps:.3g} (not a near tie in {dtype})\n"
             f"expected {expected.tolist()}\n     got {got.tolist()}"
         )
     GREEDY_CHECKS["near_ties"] += 1

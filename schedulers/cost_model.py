@@ -23,6 +23,7 @@ tried again (`schedulers.adaptive.CostAwareScheduler`), and its next observation
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -82,7 +83,16 @@ def measure_verify_costs(model, sizes=PROBE_SIZES, repeats: int = 3, kernels=KER
     """kernel -> m -> seconds for one forward of m tokens after a CONTEXT-token cache (shorter where a learned
     position table ends sooner), for each m in `sizes` that fits, best of `repeats` rounds. The kernels take turns
     at each m, in alternating order, so a moment of load elsewhere hits both; only "torch" is measured where the
-    model has no linears a kernel choice applies to (`verifiers.kernels.cpu_linears`)."""
+    model has no linears a kernel choice applies to (`verifiers.kernels.cpu_linears`). Autocast is off meanwhile: the
+    table is the model's own dtype's, cached as such, and only PyTorch's kernel runs under autocast."""
+    off = [torch.autocast(device, enabled=False) for device in ("cpu", "cuda") if torch.is_autocast_enabled(device)]
+    with contextlib.ExitStack() as stack:
+        for context in off:
+            stack.enter_context(context)
+        return _measure_verify_costs(model, sizes, repeats, kernels)
+
+
+def _measure_verify_costs(model, sizes, repeats: int, kernels) -> dict[str, dict[int, float]]:
     vocab = model.config.get_text_config().vocab_size
     limit = learned_position_limit(model)  # a learned position table bounds context + m
     sizes = tuple(m for m in sizes if limit is None or m < limit)

@@ -16,7 +16,7 @@ from torch import nn
 
 import hybrid
 from drafters import PromptLookupDrafter
-from hybrid.testing import tiny_model
+from hybrid.testing import check_greedy_lossless, tiny_model
 from schedulers import FixedScheduler, cost_model
 from schedulers.cost_model import KERNEL_MARGIN, VerifyCostModel, cached_kernel_choice, choose_kernels
 from verifiers import kernels
@@ -439,3 +439,35 @@ def test_the_packed_kernel_is_a_candidate_only_where_it_runs(monkeypatch):
     failing = mock.Mock(side_effect=RuntimeError("could not create a primitive descriptor"))
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", failing, raising=False)
     assert not kernels._packed_runs()
+
+
+@pytest.mark.parametrize("kernel", [pytest.param("packed", marks=needs_packed), "weight-left"])
+def test_under_cpu_autocast_every_product_is_pytorchs_as_in_generate(kernel, tmp_path, monkeypatch):
+    """The kernel choice was measured for float32, and the packed kernel fails on the bfloat16 activations autocast
+    gives it. So a call under autocast runs PyTorch's products, as `generate` does, and its output is `generate`'s
+    under the same autocast, up to a near tie in autocast's dtype."""
+    monkeypatch.setenv("HYBRID_COSTS", str(tmp_path / "costs"))
+    model = tiny_model("llama", 64, 2, seed=0)
+    VerifyCostModel(dict.fromkeys(range(1, 18), 1.0), dict.fromkeys(range(1, 18), kernel)).save(model)
+    seen, spy = rows_seen(kernel)
+    with spy, torch.autocast("cpu", dtype=torch.bfloat16):
+        check_greedy_lossless(model, IDS, PromptLookupDrafter(), max_new_tokens=12)
+    assert not seen
+
+
+def test_the_cost_probe_under_autocast_measures_the_models_own_products(tmp_path, monkeypatch):
+    """The first call that needs the cost table measures it; under autocast it measures with autocast off (the table
+    is cached for the model's dtype and every kernel is timed as it runs outside autocast)."""
+    monkeypatch.setenv("HYBRID_COSTS", str(tmp_path / "costs"))
+    model = tiny_model("llama", 64, 2, seed=0)
+    autocast_seen = []
+    real = cost_model._measure_verify_costs
+
+    def measure(*args, **kwargs):
+        autocast_seen.append(torch.is_autocast_enabled("cpu"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cost_model, "_measure_verify_costs", measure)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        check_greedy_lossless(model, IDS, PromptLookupDrafter(), max_new_tokens=12)
+    assert autocast_seen == [False] and VerifyCostModel.cached(model) is not None

@@ -195,10 +195,17 @@ def chosen_kernels(linears: list[nn.Linear], row_kernels: dict[int, str], rows: 
 
     `rows`: the row count of the block's dense products, when the caller knows it (a forward of every fed position).
     Where PyTorch's kernel serves it, nothing is installed: installing and removing a forward on each of a model's
-    hundreds of linears costs milliseconds, a few percent of a CPU step."""
+    hundreds of linears costs milliseconds, a few percent of a CPU step.
+
+    Under CPU autocast every product is PyTorch's, as in `generate`: the choice was measured for the model's own
+    dtype, and the packed kernel fails on the bfloat16 activations autocast gives it."""
     forced = _FORCED.get()
     row_kernels = {r: kernel for r, kernel in row_kernels.items() if kernel != "torch"}
-    if forced == "torch" or (forced is None and (not row_kernels or rows is not None and rows not in row_kernels)):
+    if (
+        forced == "torch"
+        or (forced is None and (not row_kernels or rows is not None and rows not in row_kernels))
+        or torch.is_autocast_enabled("cpu")
+    ):
         yield  # nothing to change: PyTorch's own forward
         return
     token = _ROW_KERNELS.set(row_kernels)
