@@ -7,10 +7,12 @@ The contract (README, "Losslessness"):
   float16) the two runs may take different branches. `check_greedy_lossless`
   allows a divergence only at such a near tie, and reports when it did.
 * Sampling (the default "match" rule), batch 1: after the same `torch.manual_seed`, `hybrid.generate` returns
-  `model.generate`'s tokens. Each token is one multinomial draw on the verifier's processed probabilities, as in
-  `generate`, but those probabilities come from a wider forward and differ in the last bits; a draw that lands
-  within that rounding of a CDF boundary may pick the neighbouring token. `check_sampled_identical` allows a
-  divergence only there (the two distributions within `SAMPLE_EPS`, the two tokens neighbours in the CDF).
+  `model.generate`'s tokens. Each token is one `torch.multinomial` draw on the verifier's processed probabilities p,
+  as in `generate`: the argmax of p / E over one exponential variate E per token. Those probabilities come from a
+  wider forward and differ in the last bits, so a draw whose race was that close may go to another token.
+  `check_sampled_identical` allows a divergence only there: the two distributions within their rounding
+  (`SAMPLE_EPS` in float32, `near_tie_eps` of the computing dtype in half precision or under autocast), and each
+  run's token the winner of the replayed draw's race under its own distribution.
 * Sampling with acceptance="rejection", and every row of a batch: each emitted token is distributed exactly as
   the verifier's processed distribution p (chi-square tests).
 """
@@ -292,17 +294,37 @@ def check_sampled_identical(
     assert mismatch.numel(), f"hybrid stopped after {got.shape[0]} new tokens, model.generate after {expected.shape[0]}"
     j = int(mismatch[0])
     p_ref, p_out = torch.softmax(ref.scores[j][0], -1), torch.softmax(out.scores[j][0], -1)
-    a, b = sorted((int(expected[j]), int(got[j])))
     gap = float((p_ref - p_out).abs().max())
-    between = float(p_ref[a + 1 : b].sum())  # neighbours in the CDF: nothing of mass between them
-    if gap >= SAMPLE_EPS or between > SAMPLE_EPS:
+    # A probability moves by at most its score's rounding: 1e-4 in float32, more in half precision or autocast.
+    eps = max(SAMPLE_EPS, near_tie_eps(compute_dtype(model), float(ref.scores[j][0].max())))
+    variates = _draw_variates([torch.softmax(scores[0], -1) for scores in ref.scores[:j]], seed, p_ref)
+    won_ref, won_out = int(torch.argmax(p_ref / variates)), int(torch.argmax(p_out / variates))
+    if won_ref != int(expected[j]):
+        raise AssertionError(
+            f"replaying model.generate's draws (seed {seed}) gives token {won_ref} at new token {j}, not its "
+            f"{int(expected[j])}: this torch.multinomial draws otherwise, and the boundary cannot be judged"
+        )
+    if gap >= eps or won_out != int(got[j]):
         raise AssertionError(
             f"sampled output differs at new token {j} (seed {seed}): model.generate drew {int(expected[j])}, hybrid "
-            f"{int(got[j])}; their distributions differ by {gap:.3g}, mass between the tokens {between:.3g} (not a "
-            f"boundary draw)\nexpected {expected.tolist()}\n     got {got.tolist()}"
+            f"{int(got[j])}; their distributions differ by {gap:.3g} (rounding: < {eps:.3g}), and under the same draw "
+            f"hybrid's distribution gives {won_out} (not a boundary draw)\nexpected {expected.tolist()}\n"
+            f"     got {got.tolist()}"
         )
     SAMPLING_CHECKS["boundary_draws"] += 1
     return j
+
+
+def _draw_variates(earlier: list[torch.Tensor], seed: int, probs: torch.Tensor) -> torch.Tensor:
+    """The exponential variates E [vocab] of the draw after `earlier` (each draw's probabilities) following
+    `torch.manual_seed(seed)`. `torch.multinomial(p, 1)` draws argmax(p / E), one E ~ Exp(1) a token, so the token
+    of a draw follows from E and its distribution: a divergence that the two runs' distributions explain under the
+    same E is a boundary draw, and one they do not is not, whichever tokens they are."""
+    with torch.random.fork_rng(devices=[probs.device.index or 0] if probs.device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        for p in earlier:
+            torch.multinomial(p[None], 1)
+        return torch.empty_like(probs[None]).exponential_(1)[0]
 
 
 def check_stats_consistent(stats: hybrid.GenerationStats, new_tokens: int) -> None:
