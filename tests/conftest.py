@@ -45,5 +45,6 @@ def pytest_terminal_summary(terminalreporter):
     if SAMPLING_CHECKS["checked"]:
         terminalreporter.write_line(
             f"seeded sampling: {SAMPLING_CHECKS['checked']} comparisons with model.generate, boundary-draw exception "
-            f"(distributions within {SAMPLE_EPS}) needed {SAMPLING_CHECKS['boundary_draws']} times"
+            f"(float32 distributions within {SAMPLE_EPS}, the replayed draw's race) needed "
+            f"{SAMPLING_CHECKS['boundary_draws']} times"
         )
