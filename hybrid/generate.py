@@ -57,7 +57,7 @@ _UNSUPPORTED_CONFIG = {
     "token_healing": (False, "token healing is not supported"),
     "prefill_chunk_size": (None, "chunked prefill is not supported"),
     "dola_layers": (None, "DoLa decoding is not supported"),
-    "low_memory": (None, "low_memory only applies to beam search"),
+    "low_memory": (False, "low_memory only applies to beam search"),
 }
 # Assisted-generation knobs: hybrid's drafter and scheduler replace them.
 _ASSISTANT_ARGS = (
@@ -82,7 +82,7 @@ _UNSUPPORTED_ARGS = (
     "position_ids",
 )
 # Switches: False (or None) means "off", as `generate` reads them.
-_SWITCHES = ("synced_gpus", "trust_remote_code")
+_SWITCHES = ("synced_gpus", "trust_remote_code", "is_assistant")  # False asks for nothing
 
 
 def _is_int(value) -> bool:

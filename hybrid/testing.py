@@ -95,6 +95,34 @@ def _mla(config_cls, model_cls, **extra):
     return _llama_like(config_cls, model_cls, **latent, v_head_dim=12, **extra)
 
 
+def _bert_decoder(vocab_size, num_layers, window):
+    """BERT's LM head loaded as a decoder: causal only through is_decoder=True, its masks built the older way."""
+    return transformers.BertConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        intermediate_size=64,
+        is_decoder=True,
+    ), transformers.BertLMHeadModel
+
+
+def _bart_decoder(vocab_size, num_layers, window):
+    """BART's decoder as a causal LM: its forward takes no position_ids, so each fed token sits after the cache's
+    slots (trees verify as chains, masked prompt tokens are refused). `generate` sizes its cache by encoder_layers."""
+    return transformers.BartConfig(
+        vocab_size=vocab_size,
+        d_model=32,
+        decoder_layers=num_layers,
+        encoder_layers=num_layers,
+        decoder_attention_heads=4,
+        encoder_attention_heads=4,
+        decoder_ffn_dim=64,
+        encoder_ffn_dim=64,
+        init_std=0.3,
+    ), transformers.BartForCausalLM
+
+
 # A small mixture of experts for the MLA models that have one (one dense layer first, as released).
 _MOE = {"moe_intermediate_size": 32, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1}
 
@@ -180,6 +208,8 @@ ARCHITECTURES = {
         **_MOE,
     ),
     "gemma4": _gemma4,  # per-layer head sizes; sliding layers
+    "bert": _bert_decoder,  # causal through is_decoder=True
+    "bart": _bart_decoder,  # no position_ids: tokens placed by cache slot
 }
 # Llama-like architectures: what the block-diffusion drafter (RoPE, RMSNorm, SwiGLU geometry) can be built for.
 LLAMA_LIKE = ("llama", "qwen2", "qwen3", "mistral")

@@ -21,7 +21,7 @@ from drafters.block_diffusion import MASKED_INPUTS, BlockDiffusionConfig, BlockD
 from drafters.ngram_store import NgramStore
 from hybrid.testing import ARCHITECTURES, LLAMA_LIKE, tiny_model
 from schedulers import ConfidenceScheduler, CostAwareScheduler, FixedScheduler, HeuristicScheduler
-from verifiers.cache import masked_window_problem, row_mask_problem
+from verifiers.cache import masked_window_problem, row_mask_problem, slot_position_problem
 
 
 @st.composite
@@ -51,8 +51,9 @@ def attention_window(model) -> int | None:
 def holes(draw, length: int, model=None):
     """Positions to mask inside a prompt of `length` tokens, never its first or last: none, or 1-3 of them. Where
     `model` attends within a window, they are drawn among the last `window` positions, where a masked token changes
-    what a window holds; models that cannot honour such a hole (`masked_window_problem`, which is refused) get none."""
-    if length < 3 or model is None or masked_window_problem(model) is not None:
+    what a window holds; models that cannot honour such a hole (`masked_window_problem`, `slot_position_problem`:
+    refused) get none."""
+    if length < 3 or model is None or masked_window_problem(model) or slot_position_problem(model):
         return []
     window = attention_window(model)
     low = 1 if window is None else max(1, length - 1 - window)
@@ -63,6 +64,8 @@ def holes(draw, length: int, model=None):
 def prompt_masks(draw, input_ids: torch.Tensor, model):
     """None, or an attention mask [1, n] for `input_ids` with left padding and/or masked tokens inside it."""
     n = input_ids.shape[1]
+    if slot_position_problem(model) is not None:  # masked tokens count as positions there: refused
+        return None
     if not draw(st.booleans(), label="attention_mask"):
         return None
     mask = torch.ones(1, n, dtype=torch.long)
@@ -77,11 +80,15 @@ def prompt_masks(draw, input_ids: torch.Tensor, model):
 def padded_batches(draw, vocab_size: int, pad: int = 0, max_len: int = 10, model=None):
     """(input_ids, attention_mask, rows): 2-4 prompts of any lengths, left-padded with `pad` (sometimes more
     than the longest needs); `rows` are the prompts unpadded, as lists. With `model`, some rows also have masked
-    tokens inside them (`holes`): row r's own mask is then attention_mask[r, -len(rows[r]):]."""
+    tokens inside them (`holes`): row r's own mask is then attention_mask[r, -len(rows[r]):]. A model that places
+    tokens by cache slot (`slot_position_problem`, where masked tokens are refused) gets rows of one length."""
     lengths = draw(st.lists(st.integers(1, max_len), min_size=2, max_size=4), label="prompt lengths")
+    unpadded = model is not None and slot_position_problem(model) is not None
+    if unpadded:
+        lengths = [lengths[0]] * len(lengths)
     token = st.integers(0, vocab_size - 1).filter(lambda t: t != pad)
     rows = [draw(st.lists(token, min_size=n, max_size=n), label="prompt") for n in lengths]
-    width = max(lengths) + draw(st.integers(0, 2), label="extra padding")
+    width = max(lengths) + (0 if unpadded else draw(st.integers(0, 2), label="extra padding"))
     input_ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
     mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
     for r, row in enumerate(rows):

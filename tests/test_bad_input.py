@@ -389,6 +389,8 @@ OFF_VALUES = {
     "use_cache=True": {"use_cache": True},
     "cache_implementation=dynamic (generate's own default)": {"cache_implementation": "dynamic"},
     "cache_implementation=None": {"cache_implementation": None},
+    "low_memory=False": {"low_memory": False},
+    "is_assistant=False": {"is_assistant": False},
 }
 
 

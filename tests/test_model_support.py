@@ -12,6 +12,7 @@ from transformers import OpenAIGPTConfig, OpenAIGPTLMHeadModel, RwkvConfig, Rwkv
 
 import hybrid
 from drafters import Draft, ModelDrafter, PromptLookupDrafter
+from drafters.oracle import OracleDrafter
 from hybrid.testing import check_greedy_lossless, check_sampled_identical, tiny_model
 from schedulers import FixedScheduler
 from verifiers import cache as cache_module
@@ -172,6 +173,49 @@ def test_model_that_ignores_the_cache_is_refused():
     model = OpenAIGPTLMHeadModel(OpenAIGPTConfig(vocab_size=96, n_embd=32, n_layer=2, n_head=4, n_positions=64)).eval()
     with pytest.raises(ValueError, match=r"did not store its keys/values in the cache"):
         hybrid.generate(model, torch.tensor([[1, 2, 3]]), drafter=PromptLookupDrafter(), max_new_tokens=5, **GREEDY)
+
+
+def test_a_model_that_attends_ahead_is_refused():
+    """BERT's LM head loaded without is_decoder=True attends both ways: its output at a token changes with the tokens
+    after it, so even one token per forward gave text other than `generate`'s. As a decoder it is served."""
+    config = transformers.BertConfig(
+        vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64
+    )
+    torch.manual_seed(0)
+    model = transformers.BertLMHeadModel(config).eval()
+    for drafter in (None, PromptLookupDrafter()):
+        with pytest.raises(TypeError, match=r"attends to the tokens after each position.*is_decoder=True"):
+            hybrid.generate(model, torch.tensor([[4, 5, 6, 4, 5]]), drafter=drafter, max_new_tokens=8, **GREEDY)
+    check_greedy_lossless(
+        tiny_model("bert", 96, 2, seed=0), torch.tensor([[4, 5, 6, 4, 5]]), PromptLookupDrafter(), max_new_tokens=20
+    )
+
+
+def test_a_model_that_places_tokens_by_cache_slot_verifies_trees_as_chains():
+    """BART's decoder takes no position_ids and puts fed tokens at the positions after its cache's slots, so a tree
+    node fed beside its sibling sat one position too far; it once made a tree's walk accept a wrong token."""
+    model = tiny_model("bart", 96, 2, seed=0)
+    prompt = torch.randint(2, 96, (1, 9), generator=torch.Generator().manual_seed(1))
+    reference = model.generate(prompt, max_new_tokens=24, **GREEDY)
+    accepted = 0
+    for seed in range(4):
+        drafter = RandomTreeDrafter(96, None, seed, guide=OracleDrafter(reference))
+        report = check_greedy_lossless(model, prompt, drafter, FixedScheduler(drafter.node_budget), max_new_tokens=24)
+        accepted += sum(report.stats.accepted)
+    assert accepted > 0  # the trees' chains were verified
+
+
+def test_a_model_that_places_tokens_by_cache_slot_refuses_masked_prompt_tokens():
+    """There `generate` counts a padded row's padding as positions, so its text for the row depends on the padding;
+    hybrid places each row's tokens as if it were alone. Rows without padding batch as `generate` does."""
+    model = tiny_model("bart", 96, 2, seed=0)
+    ids, mask, rows = two_prompts(96)
+    with pytest.raises(ValueError, match=r"masks tokens of row 0.*takes no position_ids"):
+        hybrid.generate(model, ids, attention_mask=mask, drafter=PromptLookupDrafter(), max_new_tokens=8, **GREEDY)
+    unpadded = torch.stack([rows[0], rows[1][:10]])
+    expected = model.generate(unpadded, max_new_tokens=12, **GREEDY)
+    for drafter in (None, PromptLookupDrafter()):
+        assert torch.equal(hybrid.generate(model, unpadded, drafter=drafter, max_new_tokens=12, **GREEDY), expected)
 
 
 def test_recurrent_model_is_refused_clearly():

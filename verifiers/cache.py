@@ -26,6 +26,7 @@ at every step and a compiled forward (CUDA graphs) replays instead of re-tracing
 from __future__ import annotations
 
 import copy
+import inspect
 
 import torch
 from torch import nn
@@ -430,12 +431,29 @@ def row_mask_problem(model) -> str | None:
     attn_config = getattr(text, "attn_config", None)
     if text.model_type == "bloom" or getattr(text, "alibi", False) or getattr(attn_config, "alibi", False):
         return "its ALiBi position bias is built from a 2-D padding mask, which cannot say where each row's queries sit"
+    problem = slot_position_problem(model)
+    if problem:
+        return f"{problem}, which is wrong for rows that end elsewhere and for a token tree's branches"
     for name, _ in own_causal_masks(model):
         return (
             f"its attention ({name}) applies a causal/local mask of its own, indexed from the last cached slot, "
             "which is wrong for rows that end elsewhere"
         )
     return None
+
+
+def slot_position_problem(model) -> str | None:
+    """Why `model` places each fed token at the position after its cache's slots rather than where it is told (None
+    if it does not): its forward takes no position_ids (BART-family and TrOCR decoders, RoFormer). `generate` then
+    counts a padded row's padding as positions, as `generate` passes position_ids only to a forward that takes them.
+    ALiBi models (Bloom, Falcon, MPT) place nothing: their bias is relative, and `row_mask_problem` and
+    `masked_window_problem` say what they cannot take."""
+    text = model.config.get_text_config()
+    if text.model_type in ("bloom", "mpt") or getattr(text, "alibi", False):
+        return None
+    if "position_ids" in inspect.signature(model.forward).parameters:
+        return None
+    return "its forward takes no position_ids and places fed tokens after its cache's slots"
 
 
 def own_causal_masks(model) -> list[tuple[str, torch.Tensor]]:

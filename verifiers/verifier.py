@@ -10,6 +10,7 @@ is recomputed.
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 from transformers import GenerationMixin, PreTrainedModel
@@ -23,6 +24,7 @@ from verifiers.cache import (
     masked_window_problem,
     prompt_holes,
     row_mask_problem,
+    slot_position_problem,
     tree_layout,
 )
 from verifiers.kernels import chosen_kernels, cpu_linears, forget_changed_weights, prepare_linears
@@ -59,6 +61,53 @@ def check_causal_lm(model, role: str = "verifier") -> None:
             f"{type(model).__name__} is not a decoder-only causal LM: hybrid verifies with an "
             "AutoModelForCausalLM (encoder-decoder and encoder-only models are not supported)"
         )
+    if attends_ahead(model):
+        is_decoder = getattr(model.config.get_text_config(), "is_decoder", None)
+        fix = "load it with is_decoder=True" if is_decoder is False else "use a causal LM"
+        raise TypeError(
+            f"{type(model).__name__} attends to the tokens after each position"
+            + (" (its config has is_decoder=False)" if is_decoder is False else "")
+            + f", so no forward of several tokens scores them as model.generate decodes them one by one: {fix}"
+        )
+
+
+_ATTENDS_AHEAD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def attends_ahead(model) -> bool:
+    """Whether `model`'s output at a position depends on tokens after it, as a BERT-family LM head's does when loaded
+    without is_decoder=True. Self-attention modules that all declare is_causal=True settle it; otherwise a forward of
+    four tokens and one with the last token changed tell, once per model."""
+    declared = [
+        module.is_causal
+        for module in model.modules()
+        if isinstance(getattr(module, "is_causal", None), bool)
+        and not getattr(module, "is_cross_attention", False)
+        and "cross" not in type(module).__name__.lower()
+    ]
+    if declared and all(declared):
+        return False
+    if model not in _ATTENDS_AHEAD:
+        _ATTENDS_AHEAD[model] = _changes_earlier_outputs(model)
+    return _ATTENDS_AHEAD[model]
+
+
+@torch.inference_mode()
+def _changes_earlier_outputs(model) -> bool:
+    middle = model.get_input_embeddings().num_embeddings // 2  # clear of the special tokens at either end
+    tokens = torch.arange(middle, middle + 4, device=model.device)[None]
+    changed = tokens.clone()
+    changed[0, -1] = middle - 1
+    training = model.training
+    model.eval()  # dropout would change every output
+    try:
+        before = model(tokens, use_cache=False).logits[0, :-1].float()
+        after = model(changed, use_cache=False).logits[0, :-1].float()
+    except Exception:  # a model that needs more than tokens fails in its own call, with its own message
+        return False
+    finally:
+        model.train(training)
+    return bool((before - after).abs().max() > 1e-3 * before.abs().max())
 
 
 class Verifier:
@@ -182,9 +231,19 @@ class Verifier:
     # -- a batch of rows ------------------------------------------------------------------------------
 
     def check_masks(self, masks: list[torch.Tensor | None]) -> None:
-        """Raise unless this model can honour every prompt mask (1-D, 0 = masked; None: none) as `generate` does: a
-        masked token after a row's first unmasked one counts in `generate`'s attention windows, which some models
-        apply themselves (`verifiers.cache.masked_window_problem`)."""
+        """Raise unless this model can honour every prompt mask (1-D, 0 = masked; None: none) as `generate` does:
+        `generate` counts a masked token as a position where the model's forward takes no position_ids
+        (`verifiers.cache.slot_position_problem`), and a masked token after a row's first unmasked one in attention
+        windows that some models apply themselves (`verifiers.cache.masked_window_problem`)."""
+        masked = [b for b, mask in enumerate(masks) if mask is not None and not bool(mask.all())]
+        problem = slot_position_problem(self.model) if masked else None
+        if problem is not None:
+            raise ValueError(
+                f"attention_mask masks tokens of row {masked[0]}, and {type(self.model).__name__} cannot be told "
+                f"where a row's tokens sit ({problem}): model.generate counts the masked tokens as positions of that "
+                "row, while hybrid places a row's tokens as if it were alone. Pass prompts without padding (one "
+                "call per row), or decode them with model.generate"
+            )
         holed = [b for b, mask in enumerate(masks) if mask is not None and bool(prompt_holes(mask)[-1])]
         if not holed:
             return
