@@ -625,6 +625,11 @@ def test_verifier_is_linear(prompt, drafter):
         gen(torch.nn.Linear(4, 4), prompt, drafter)
 
 
+def test_verifier_compiled_with_torch_compile(model, prompt, drafter):
+    with pytest.raises(TypeError, match=r"torch.compile wrapper.*_orig_mod.*cache_implementation='static'"):
+        gen(torch.compile(model), prompt, drafter)
+
+
 def test_verifier_is_encoder_decoder(prompt, drafter):
     t5 = transformers.T5ForConditionalGeneration(
         transformers.T5Config(

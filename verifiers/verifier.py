@@ -51,6 +51,12 @@ def adapted_model(model):
 
 def check_causal_lm(model, role: str = "verifier") -> None:
     """Raise a clear error unless `model` is a decoder-only Hugging Face LM that can generate."""
+    if isinstance(getattr(model, "_orig_mod", None), PreTrainedModel):  # torch.compile's wrapper
+        raise TypeError(
+            f"{role} is a torch.compile wrapper ({type(model).__name__}): pass the model itself (its _orig_mod); "
+            "hybrid compiles its own decoding step, as model.generate does, with cache_implementation='static' "
+            "(and compile_config to choose how)"
+        )
     if not isinstance(model, PreTrainedModel) or not isinstance(model, GenerationMixin):
         raise TypeError(
             f"{role} must be a Hugging Face causal LM (a PreTrainedModel with generate), got {type(model).__name__}: "
