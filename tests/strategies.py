@@ -19,7 +19,7 @@ from drafters import (
 )
 from drafters.block_diffusion import MASKED_INPUTS, BlockDiffusionConfig, BlockDiffusionModel, verifier_fingerprint
 from drafters.ngram_store import NgramStore
-from hybrid.testing import ARCHITECTURES, LLAMA_LIKE, tiny_model
+from hybrid.testing import ARCHITECTURES, LLAMA_LIKE, AdversarialDrafter, RandomTreeDrafter, tiny_model
 from schedulers import ConfidenceScheduler, CostAwareScheduler, FixedScheduler, HeuristicScheduler
 from verifiers.cache import masked_window_problem, row_mask_problem, slot_position_problem
 
@@ -97,37 +97,6 @@ def padded_batches(draw, vocab_size: int, pad: int = 0, max_len: int = 10, model
     return input_ids, mask, rows
 
 
-class AdversarialDrafter(Drafter):
-    """A third-party drafter that proposes garbage, repeats, EOS runs and random lengths (always valid shapes)."""
-
-    max_draft_len = 12
-
-    def __init__(self, vocab_size: int, eos_token_id: int | None, seed: int):
-        self.vocab_size, self.eos = vocab_size, eos_token_id
-        self.rng = torch.Generator(torch.get_default_device()).manual_seed(
-            seed
-        )  # not reset per call: each call sees new garbage
-
-    def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
-        n = int(torch.randint(0, max_tokens + 1, (), generator=self.rng))
-        mode = int(torch.randint(0, 4, (), generator=self.rng))
-        last = int(ctx.input_ids[0, -1])
-        if mode == 0:
-            tokens = torch.randint(0, self.vocab_size, (n,), generator=self.rng)
-        elif mode == 1:
-            tokens = torch.full((n,), last)
-        elif mode == 2 and self.eos is not None:
-            tokens = torch.full((n,), self.eos)
-        else:  # echo the sequence backwards: plausible-looking but wrong
-            tokens = ctx.input_ids[0].flip(0)[:n].clone()
-        if not ctx.do_sample:
-            return Draft(tokens)
-        # Sampling: report an honest proposal distribution, a smoothed point mass on each token.
-        probs = torch.full((len(tokens), self.vocab_size), 0.1 / self.vocab_size)
-        probs[torch.arange(len(tokens)), tokens] += 0.9
-        return Draft(tokens, probs)
-
-
 class LyingDrafter(Drafter):
     """Proposes one token everywhere while reporting it as nearly impossible (q = 1e-9; rows finite, positive,
     summing to 1): under the rejection rule min(1, p/q) = 1 would accept it almost always."""
@@ -192,73 +161,6 @@ class HiddenStateMeddler(Drafter):
         if not ctx.do_sample:
             return Draft(tokens)
         return Draft(tokens, torch.nn.functional.one_hot(tokens, self.vocab_size).float())
-
-
-class RandomTreeDrafter(Drafter):
-    """A token-tree drafter of random shapes: a deep chain, a wide fan, duplicate siblings, EOS inside branches,
-    random garbage, and the verifier's own greedy path (from `guide`, a drafter) with random siblings around each
-    of its nodes, so that walks go deep and take children that are not the first."""
-
-    max_draft_len = 8
-    max_nodes = 24
-
-    def __init__(self, vocab_size: int, eos_token_id: int | None, seed: int, guide: Drafter | None = None):
-        self.vocab_size, self.eos, self.guide = vocab_size, eos_token_id, guide
-        self.rng = torch.Generator().manual_seed(seed)
-
-    def reset(self, ctx: DraftContext) -> None:
-        if self.guide is not None:
-            self.guide.reset(ctx)
-
-    def fork(self) -> RandomTreeDrafter:
-        twin = copy.copy(self)
-        twin.guide = None if self.guide is None else self.guide.fork()
-        return twin
-
-    def _int(self, high: int) -> int:
-        return int(torch.randint(0, high, (), generator=self.rng))
-
-    def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
-        tokens: list[int] = []
-        parents: list[int] = []
-
-        def add(token: int, parent: int) -> int:
-            if len(tokens) < max_tokens:
-                tokens.append(token)
-                parents.append(parent)
-            return len(tokens) - 1
-
-        shape = self._int(6)
-        random_token = lambda: self._int(self.vocab_size)  # noqa: E731
-        if shape == 0:  # a deep chain
-            parent = -1
-            for _ in range(self._int(max_tokens + 1)):
-                parent = add(random_token(), parent)
-        elif shape == 1:  # a wide fan under the pending token
-            for _ in range(self._int(max_tokens + 1)):
-                add(random_token(), -1)
-        elif shape == 2:  # duplicate siblings, each with children
-            token = random_token()
-            for _ in range(3):
-                node = add(token, -1)
-                add(random_token(), node)
-        elif shape == 3:  # random parents, EOS inside branches
-            for i in range(self._int(max_tokens + 1)):
-                eos = self.eos is not None and self._int(3) == 0
-                add(self.eos if eos else random_token(), self._int(i + 1) - 1)
-        else:  # the guide's path, random siblings before or after each of its nodes
-            path = [] if self.guide is None else self.guide.propose(ctx, self.max_draft_len).tokens.tolist()
-            parent = -1
-            for token in path:
-                if self._int(2):
-                    add(random_token(), parent)
-                node = add(token, parent)
-                if self._int(2):
-                    add(random_token(), parent)
-                if node != len(tokens) - 1 and tokens[node] != token:
-                    break  # the budget ran out
-                parent = node
-        return Draft(torch.tensor(tokens, dtype=torch.long), parents=torch.tensor(parents, dtype=torch.long))
 
 
 def perturbed_copy(model, scale: float, seed: int):

@@ -350,3 +350,26 @@ def test_the_shipped_scheduler_prior_is_keyed_by_the_default_pair():
     scheduler = default_scheduler(drafter, model)
     scheduler.reset(drafter, model)
     assert scheduler.prior is not None
+
+
+def test_architectures_judges_each_type_and_resumes(tmp_path, capsys):
+    """`experiments.architectures` on a served type, one served without padding and one refused; a rerun with the
+    same folder judges nothing again."""
+    from experiments import architectures
+
+    architectures.main(["--types", "llama,bart,cpmant", "--out", str(tmp_path)])
+    records = {r["type"]: r for r in map(json.loads, (tmp_path / "records.jsonl").read_text().splitlines())}
+    assert records["llama"] == {"type": "llama", "verdict": "equal", "detail": ""}
+    assert records["bart"]["verdict"] == "equal" and "padded batch refused" in records["bart"]["detail"]
+    assert records["cpmant"]["verdict"] == "refused" and "attends to the tokens after" in records["cpmant"]["detail"]
+    assert "differs 0, hybrid error 0, equal 2, refused 1, not built 0" in (tmp_path / "table.md").read_text()
+    capsys.readouterr()
+    architectures.main(["--types", "llama", "--out", str(tmp_path)])
+    assert "[1/1]" not in capsys.readouterr().out  # already judged
+
+
+def test_architectures_refuses_an_unknown_type(tmp_path):
+    from experiments import architectures
+
+    with pytest.raises(SystemExit):
+        architectures.main(["--types", "llama,no_such_model", "--out", str(tmp_path)])

@@ -1,0 +1,264 @@
+"""Which of the installed transformers' causal LMs hybrid serves, each judged against its own `model.generate`.
+
+    python -m experiments.architectures --out OUT                # every model type AutoModelForCausalLM maps
+    python -m experiments.architectures --types llama,bart --out OUT
+
+Each model type is built as a tiny random model from its config's defaults (shrunk: 2 layers, width 32, 96
+tokens) and decoded by `model.generate` and by `hybrid.generate`: greedy with prompt lookup, a perturbed copy of
+the verifier's own continuation, a token tree around it and an adversarial drafter; sampled under one seed; a
+left-padded batch of two prompts; and the static path where the model takes per-row masks. The verdict is
+`equal` (every check gave `generate`'s tokens, up to the near-tie and boundary-draw contracts of
+`hybrid.testing`), `refused` (hybrid raised an error that names why; a refused batch or static path is noted
+beside an `equal`), `differs` (a silent difference: a bug), `hybrid error` (hybrid failed inside a check) or
+`not built` (the tiny config, or `generate` itself, failed: no verdict on hybrid).
+
+Each type runs in a process of its own under a time and memory limit; OUT/records.jsonl keeps each verdict as it
+comes, so a rerun with the same OUT skips the types it has. It prints a table and writes OUT/table.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+VOCAB = 96
+# Fields a tiny config overrides wherever its config class has them.
+SHRINK = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    d_model=32,
+    n_embd=32,
+    num_hidden_layers=2,
+    n_layer=2,
+    n_layers=2,
+    num_layers=2,
+    decoder_layers=2,
+    encoder_layers=2,
+    num_attention_heads=4,
+    n_head=4,
+    n_heads=4,
+    decoder_attention_heads=4,
+    encoder_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=64,
+    ffn_dim=64,
+    decoder_ffn_dim=64,
+    encoder_ffn_dim=64,
+    n_inner=64,
+    head_dim=8,
+    max_position_embeddings=256,
+    n_positions=256,
+    initializer_range=0.3,  # logits spread out, so near ties are as rare as in real models
+    init_std=0.3,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=32,
+    num_experts=4,
+    n_routed_experts=4,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    kv_lora_rank=16,
+    q_lora_rank=16,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=8,
+    v_head_dim=8,
+    sliding_window=6,
+    rotary_dim=4,
+    partial_rotary_factor=0.5,
+)
+# What some types need beyond SHRINK for their tiny config to build.
+OVERRIDES = {
+    "dots1": dict(n_shared_experts=1, layer_types=["full_attention", "full_attention"]),
+    "hrm_text": dict(num_layers_per_stack=1, H_cycles=1, L_cycles=1, L_bp_cycles=[1]),
+    "lfm2_moe": dict(layer_types=["full_attention", "full_attention"], num_dense_layers=1),
+    "longcat_flash": dict(
+        qk_head_dim=16, ffn_hidden_size=64, expert_ffn_hidden_size=32, zero_expert_num=2, moe_topk=2, num_layers=1
+    ),
+    "modernbert-decoder": dict(pad_token_id=0),
+}
+TIME_LIMIT_S = 240
+MEMORY_LIMIT_BYTES = 12 * 2**30
+
+
+def tiny_model(model_type: str):
+    import torch
+    import transformers
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    config = AutoConfig.for_model(model_type)
+    for name, value in SHRINK.items():
+        if hasattr(config, name):
+            try:
+                setattr(config, name, value)
+            except Exception:  # a derived property, or a value its validator refuses: keep the default
+                pass
+    if getattr(config, "layer_types", None) is not None:  # two layers, of both kinds where there are two
+        kinds = list(dict.fromkeys(config.layer_types))
+        config.layer_types = (kinds * 2)[:2]
+    if getattr(config, "kv_lora_rank", None):
+        config.num_key_value_heads = config.num_attention_heads  # as released latent-attention checkpoints have
+    if hasattr(config, "is_decoder"):
+        config.is_decoder = True  # a BERT-like head is a causal LM only as a decoder (without: refused)
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        try:
+            setattr(config, name, None)
+        except Exception:
+            pass
+    config.tie_word_embeddings = False
+    for name, value in OVERRIDES.get(model_type, {}).items():
+        setattr(config, name, value)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])(config).eval()
+
+
+def judge(model_type: str) -> dict:
+    """The verdict on one model type (run in a process of its own)."""
+    import warnings
+
+    import torch
+    import transformers
+
+    import hybrid
+    from drafters import PromptLookupDrafter
+    from drafters.oracle import OracleDrafter
+    from hybrid.testing import AdversarialDrafter, RandomTreeDrafter, check_greedy_lossless, check_sampled_identical
+    from verifiers.cache import row_mask_problem
+
+    warnings.filterwarnings("ignore")
+    transformers.logging.set_verbosity_error()
+    torch.set_num_threads(1)
+    generator = torch.Generator().manual_seed(1)
+    prompt = torch.randint(2, VOCAB, (1, 9), generator=generator)
+    prompt[0, 5:] = prompt[0, 1:5]  # something for prompt lookup to copy
+    rows = torch.randint(2, VOCAB, (2, 8), generator=generator)
+    mask = torch.ones_like(rows)
+    rows[1, :3], mask[1, :3] = 0, 0
+    settings = dict(max_new_tokens=20, pad_token_id=0)
+    try:
+        model = tiny_model(model_type)
+        reference = model.generate(prompt, do_sample=False, **settings)
+        batch_reference = model.generate(rows, attention_mask=mask, do_sample=False, **settings)
+    except Exception as error:
+        return {"verdict": "not built", "detail": f"{type(error).__name__}: {error}"}
+
+    perturbed = reference.clone()
+    wrong = torch.rand(perturbed.shape, generator=generator) < 0.15
+    perturbed[wrong] = torch.randint(0, VOCAB, (int(wrong.sum()),), generator=generator)
+    checks = {
+        "greedy, lookup": lambda: check_greedy_lossless(model, prompt, PromptLookupDrafter(), **settings),
+        "greedy, perturbed": lambda: check_greedy_lossless(model, prompt, OracleDrafter(perturbed), **settings),
+        "greedy, tree": lambda: check_greedy_lossless(
+            model, prompt, RandomTreeDrafter(VOCAB, None, 3, guide=OracleDrafter(reference)), **settings
+        ),
+        "greedy, adversarial": lambda: check_greedy_lossless(
+            model, prompt, AdversarialDrafter(VOCAB, None, 5), **settings
+        ),
+        "sampled": lambda: check_sampled_identical(model, prompt, PromptLookupDrafter(), 0, **settings),
+        "padded batch": lambda: _check_equal(
+            hybrid.generate(model, rows, attention_mask=mask, drafter=PromptLookupDrafter(), **settings),
+            batch_reference,
+        ),
+    }
+    notes, differs = [], []
+    for name, check in checks.items():
+        try:
+            check()
+        except AssertionError as error:
+            differs.append(f"{name}: {str(error).splitlines()[0]}")
+        except (ValueError, TypeError) as error:
+            if not notes and name == next(iter(checks)):  # the first check refused: the model is refused
+                return {"verdict": "refused", "detail": str(error)}
+            notes.append(f"{name} refused: {error}")
+        except Exception as error:
+            return {"verdict": "hybrid error", "detail": f"{name}: {type(error).__name__}: {error}"}
+    if row_mask_problem(model) is None:
+        try:
+            check_greedy_lossless(
+                model, prompt, OracleDrafter(perturbed), hybrid_kwargs={"cache_implementation": "static"}, **settings
+            )
+        except AssertionError as error:
+            differs.append(f"static: {str(error).splitlines()[0]}")
+    else:
+        notes.append(f"no static path: {row_mask_problem(model)}")
+    if differs:
+        return {"verdict": "differs", "detail": "; ".join(differs)}
+    return {"verdict": "equal", "detail": "; ".join(notes)}
+
+
+def _check_equal(output, reference) -> None:
+    assert output.shape == reference.shape and bool((output == reference).all()), "the batch's tokens differ"
+
+
+def _limit_memory() -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT_BYTES, MEMORY_LIMIT_BYTES))
+
+
+def judge_in_own_process(model_type: str) -> dict:
+    command = [sys.executable, "-m", "experiments.architectures", "--one", model_type]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=TIME_LIMIT_S, preexec_fn=_limit_memory)
+    except subprocess.TimeoutExpired:
+        return {"verdict": "not built", "detail": f"no verdict within {TIME_LIMIT_S} s"}
+    lines = done.stdout.strip().splitlines()
+    if done.returncode or not lines:
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"verdict": "not built", "detail": f"its process ended with {done.returncode}: {tail}"}
+    return json.loads(lines[-1])
+
+
+def table(records: list[dict]) -> str:
+    order = ("differs", "hybrid error", "equal", "refused", "not built")
+    counts = {verdict: sum(r["verdict"] == verdict for r in records) for verdict in order}
+    lines = [", ".join(f"{verdict} {n}" for verdict, n in counts.items()), "", "| model type | verdict | detail |"]
+    lines.append("|---|---|---|")
+    for record in sorted(records, key=lambda r: (order.index(r["verdict"]), r["type"])):
+        detail = record["detail"].replace("|", "/").replace("\n", " ")
+        lines.append(f"| {record['type']} | {record['verdict']} | {detail[:240]} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--types", help="comma-separated model types (default: every causal LM type)")
+    parser.add_argument("--out", help="folder for records.jsonl and table.md (rerun with it to resume)")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # judge one type here and print its verdict as JSON
+    args = parser.parse_args(argv)
+    if args.one:
+        print(json.dumps(judge(args.one)))
+        return
+    if not args.out:
+        parser.error("--out is required (records.jsonl and table.md go there)")
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from experiments.runs import append_record, read_records
+
+    known = sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    types = known if args.types is None else [t.strip() for t in args.types.split(",") if t.strip()]
+    unknown = [t for t in types if t not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES]
+    if unknown:
+        parser.error(f"--types {unknown} are not causal LM types of this transformers (e.g. {known[:3]})")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "records.jsonl"
+    done = {r["type"]: r for r in read_records(path, key=lambda r: (r["type"],))}
+    for i, model_type in enumerate(types, 1):
+        if model_type in done:
+            continue
+        start = time.perf_counter()
+        record = {"type": model_type, **judge_in_own_process(model_type)}
+        append_record(path, record)
+        done[model_type] = record
+        print(f"[{i}/{len(types)}] {model_type}: {record['verdict']} ({time.perf_counter() - start:.0f} s)", flush=True)
+    text = table([done[t] for t in types])
+    (out / "table.md").write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
