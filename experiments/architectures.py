@@ -92,15 +92,15 @@ def tiny_model(model_type: str):
 
     config = AutoConfig.for_model(model_type)
     for name, value in SHRINK.items():
-        if hasattr(config, name):
-            try:
+        try:
+            if name in config.to_dict() or hasattr(config, name):
                 setattr(config, name, value)
-            except Exception:  # a derived property, or a value its validator refuses: keep the default
-                pass
+        except Exception:  # a derived or per-layer property, or a value its validator refuses: keep the default
+            pass
     if getattr(config, "layer_types", None) is not None:  # two layers, of both kinds where there are two
         kinds = list(dict.fromkeys(config.layer_types))
         config.layer_types = (kinds * 2)[:2]
-    if getattr(config, "kv_lora_rank", None):
+    if config.to_dict().get("kv_lora_rank"):
         config.num_key_value_heads = config.num_attention_heads  # as released latent-attention checkpoints have
     if hasattr(config, "is_decoder"):
         config.is_decoder = True  # a BERT-like head is a causal LM only as a decoder (without: refused)
