@@ -84,7 +84,7 @@ TIME_LIMIT_S = 240
 MEMORY_LIMIT_BYTES = 12 * 2**30
 
 
-def tiny_model(model_type: str):
+def tiny_from_defaults(model_type: str):
     import torch
     import transformers
     from transformers import AutoConfig
@@ -141,7 +141,7 @@ def judge(model_type: str) -> dict:
     rows[1, :3], mask[1, :3] = 0, 0
     settings = dict(max_new_tokens=20, pad_token_id=0)
     try:
-        model = tiny_model(model_type)
+        model = tiny_from_defaults(model_type)
         reference = model.generate(prompt, do_sample=False, **settings)
         batch_reference = model.generate(rows, attention_mask=mask, do_sample=False, **settings)
     except Exception as error:
@@ -172,12 +172,13 @@ def judge(model_type: str) -> dict:
         except AssertionError as error:
             differs.append(f"{name}: {str(error).splitlines()[0]}")
         except (ValueError, TypeError) as error:
-            if not notes and name == next(iter(checks)):  # the first check refused: the model is refused
+            if name == next(iter(checks)):  # the first check refused: the model is refused
                 return {"verdict": "refused", "detail": str(error)}
             notes.append(f"{name} refused: {error}")
         except Exception as error:
             return {"verdict": "hybrid error", "detail": f"{name}: {type(error).__name__}: {error}"}
-    if row_mask_problem(model) is None:
+    no_static = row_mask_problem(model)
+    if no_static is None:
         try:
             check_greedy_lossless(
                 model, prompt, OracleDrafter(perturbed), hybrid_kwargs={"cache_implementation": "static"}, **settings
@@ -185,7 +186,7 @@ def judge(model_type: str) -> dict:
         except AssertionError as error:
             differs.append(f"static: {str(error).splitlines()[0]}")
     else:
-        notes.append(f"no static path: {row_mask_problem(model)}")
+        notes.append(f"no static path: {no_static}")
     if differs:
         return {"verdict": "differs", "detail": "; ".join(differs)}
     return {"verdict": "equal", "detail": "; ".join(notes)}

@@ -244,6 +244,13 @@ def tiny_model(
 
 
 # Drafters that try to break the engine: a drafter can never make it emit a token the verifier would not.
+def smoothed_point_masses(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """An honest proposal distribution for drafted `tokens` [n]: 0.9 on each token, the rest spread evenly [n, vocab]."""
+    probs = torch.full((len(tokens), vocab_size), 0.1 / vocab_size)
+    probs[torch.arange(len(tokens)), tokens] += 0.9
+    return probs
+
+
 class AdversarialDrafter(Drafter):
     """A third-party drafter that proposes garbage, repeats, EOS runs and random lengths (always valid shapes)."""
 
@@ -269,10 +276,7 @@ class AdversarialDrafter(Drafter):
             tokens = ctx.input_ids[0].flip(0)[:n].clone()
         if not ctx.do_sample:
             return Draft(tokens)
-        # Sampling: report an honest proposal distribution, a smoothed point mass on each token.
-        probs = torch.full((len(tokens), self.vocab_size), 0.1 / self.vocab_size)
-        probs[torch.arange(len(tokens)), tokens] += 0.9
-        return Draft(tokens, probs)
+        return Draft(tokens, smoothed_point_masses(tokens, self.vocab_size))
 
 
 class RandomTreeDrafter(Drafter):

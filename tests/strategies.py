@@ -19,7 +19,14 @@ from drafters import (
 )
 from drafters.block_diffusion import MASKED_INPUTS, BlockDiffusionConfig, BlockDiffusionModel, verifier_fingerprint
 from drafters.ngram_store import NgramStore
-from hybrid.testing import ARCHITECTURES, LLAMA_LIKE, AdversarialDrafter, RandomTreeDrafter, tiny_model
+from hybrid.testing import (
+    ARCHITECTURES,
+    LLAMA_LIKE,
+    AdversarialDrafter,
+    RandomTreeDrafter,
+    smoothed_point_masses,
+    tiny_model,
+)
 from schedulers import ConfidenceScheduler, CostAwareScheduler, FixedScheduler, HeuristicScheduler
 from verifiers.cache import masked_window_problem, row_mask_problem, slot_position_problem
 
@@ -137,9 +144,7 @@ class MeddlingDrafter(Drafter):
         tokens = ctx.input_ids[0].flip(0)[:max_tokens]
         if not ctx.do_sample:
             return Draft(tokens)
-        probs = torch.full((len(tokens), self.vocab_size), 0.1 / self.vocab_size)
-        probs[torch.arange(len(tokens)), tokens] += 0.9
-        return Draft(tokens, probs)
+        return Draft(tokens, smoothed_point_masses(tokens, self.vocab_size))
 
 
 class HiddenStateMeddler(Drafter):

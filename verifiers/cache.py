@@ -428,8 +428,7 @@ def row_mask_problem(model) -> str | None:
     implementation = model.config._attn_implementation
     if implementation not in MASKED_ATTENTION:
         return f"attn_implementation={implementation!r} builds its own causal mask (load it with attn_implementation='sdpa')"
-    attn_config = getattr(text, "attn_config", None)
-    if text.model_type == "bloom" or getattr(text, "alibi", False) or getattr(attn_config, "alibi", False):
+    if uses_alibi(text):
         return "its ALiBi position bias is built from a 2-D padding mask, which cannot say where each row's queries sit"
     problem = slot_position_problem(model)
     if problem:
@@ -442,14 +441,24 @@ def row_mask_problem(model) -> str | None:
     return None
 
 
+def uses_alibi(text_config) -> bool:
+    """Whether the model positions tokens by an ALiBi bias: Bloom's always, Falcon's with alibi=True, MPT's with
+    attn_config.alibi."""
+    attn_config = getattr(text_config, "attn_config", None)
+    return (
+        text_config.model_type == "bloom"
+        or getattr(text_config, "alibi", False)
+        or getattr(attn_config, "alibi", False)
+    )
+
+
 def slot_position_problem(model) -> str | None:
     """Why `model` places each fed token at the position after its cache's slots rather than where it is told (None
     if it does not): its forward takes no position_ids (BART-family and TrOCR decoders, RoFormer). `generate` then
     counts a padded row's padding as positions, as `generate` passes position_ids only to a forward that takes them.
     ALiBi models (Bloom, Falcon, MPT) place nothing: their bias is relative, and `row_mask_problem` and
     `masked_window_problem` say what they cannot take."""
-    text = model.config.get_text_config()
-    if text.model_type in ("bloom", "mpt") or getattr(text, "alibi", False):
+    if uses_alibi(model.config.get_text_config()):
         return None
     if "position_ids" in inspect.signature(model.forward).parameters:
         return None
