@@ -218,6 +218,52 @@ def test_a_model_that_places_tokens_by_cache_slot_refuses_masked_prompt_tokens()
         assert torch.equal(hybrid.generate(model, unpadded, drafter=drafter, max_new_tokens=12, **GREEDY), expected)
 
 
+def tiny_git() -> transformers.GitForCausalLM:
+    vision = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64, image_size=32)
+    config = transformers.GitConfig(
+        vision_config=vision,
+        vocab_size=96,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=128,
+        initializer_range=0.3,  # logits far from uniform, so a changed mask changes tokens
+        pad_token_id=0,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    torch.manual_seed(0)
+    return transformers.GitForCausalLM(config).eval()
+
+
+def test_an_image_encoders_position_table_does_not_bound_the_text():
+    """GIT's image encoder has a table of its patches' positions (5 here), which no text token is placed by: once
+    taken for the text's, it refused any call longer than that."""
+    model = tiny_git()
+    assert cache_module.learned_position_limit(model) == 128
+    prompt = torch.randint(1, 96, (1, 9), generator=torch.Generator().manual_seed(1))
+    check_greedy_lossless(model, prompt, PromptLookupDrafter(), max_new_tokens=20, pad_token_id=0)
+
+
+def test_a_model_whose_generate_reads_a_padded_row_off_its_slots_refuses_masked_prompt_tokens():
+    """GIT's cached steps widen a 2-D mask by its image tokens, so under `generate` a left-padded row's text depends
+    on its padding; hybrid decodes each row as if alone and once gave the row's own text without a word. Rows without
+    padding batch as `generate` does."""
+    model = tiny_git()
+    ids, mask, rows = two_prompts(96)
+    padded = model.generate(ids, attention_mask=mask, max_new_tokens=12, **GREEDY)[0, ids.shape[1] :]
+    alone = model.generate(rows[0][None], max_new_tokens=12, **GREEDY)[0, rows[0].shape[0] :]
+    assert not torch.equal(padded, alone)  # what hybrid cannot follow
+    for drafter in (None, PromptLookupDrafter()):
+        with pytest.raises(ValueError, match=r"masks tokens of row 0.*depends on its padding"):
+            hybrid.generate(model, ids, attention_mask=mask, drafter=drafter, max_new_tokens=12, **GREEDY)
+    unpadded = torch.stack([rows[0], rows[1][:10]])
+    expected = model.generate(unpadded, max_new_tokens=12, **GREEDY)
+    for drafter in (None, PromptLookupDrafter()):
+        assert torch.equal(hybrid.generate(model, unpadded, drafter=drafter, max_new_tokens=12, **GREEDY), expected)
+
+
 def test_recurrent_model_is_refused_clearly():
     model = RwkvForCausalLM(
         RwkvConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32, intermediate_size=64)

@@ -30,6 +30,7 @@ import inspect
 
 import torch
 from torch import nn
+from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
 
 # Attention implementations that take the 4D additive masks built here. Others (flash_attention_2)
@@ -518,12 +519,22 @@ def mask_problem(text_config) -> str | None:
 
 
 def learned_position_limit(model) -> int | None:
-    """Positions the model can embed when it has a learned position table (GPT-2's wpe, OPT's embed_positions), else
-    None: rotary and ALiBi models have no table and, like `model.generate`, run past max_position_embeddings."""
+    """Positions the model can embed when it has a learned position table for its text (GPT-2's wpe, OPT's
+    embed_positions), else None: rotary and ALiBi models have no table and, like `model.generate`, run past
+    max_position_embeddings."""
     context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     tokens = model.get_input_embeddings()
+    # An image or audio encoder inside the model (GIT's, Phi-4-multimodal's) has a table of its own patches' or
+    # frames' positions, which no text token is placed by.
+    towers = [
+        name + "."
+        for name, module in model.named_modules()
+        if name and isinstance(module, PreTrainedModel) and all(m is not tokens for m in module.modules())
+    ]
     sizes = []
     for name, module in model.named_modules():
+        if name.startswith(tuple(towers)):
+            continue
         if isinstance(module, nn.Embedding) and module is not tokens:
             size = module.num_embeddings - getattr(module, "offset", 0)  # OPT keeps two extra rows
             if size == context or "pos" in name.rsplit(".", 1)[-1]:

@@ -116,6 +116,46 @@ def _changes_earlier_outputs(model) -> bool:
     return bool((before - after).abs().max() > 1e-3 * before.abs().max())
 
 
+_PADDING_CHANGES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def padding_changes_outputs(model) -> bool:
+    """Whether `model.generate`'s logits for a left-padded row differ from the same row's alone, as GIT's do (its
+    decoding steps widen a 2-D mask by its image tokens, moving a padded row's mask off its slots). hybrid decodes
+    each row as if it were alone, so it cannot follow such a model's padded rows. Told by two greedy `generate` calls
+    of two new tokens each (the prefill and a cached step), once per model."""
+    if model not in _PADDING_CHANGES:
+        _PADDING_CHANGES[model] = _padded_logits_differ(model)
+    return _PADDING_CHANGES[model]
+
+
+@torch.inference_mode()
+def _padded_logits_differ(model) -> bool:
+    middle = model.get_input_embeddings().num_embeddings // 2  # clear of the special tokens at either end
+    tokens = torch.arange(middle, middle + 3, device=model.device)[None]
+    padded = torch.cat([tokens.new_full((1, 2), middle - 1), tokens], dim=1)
+    settings = dict(
+        max_new_tokens=2,
+        do_sample=False,
+        num_beams=1,
+        pad_token_id=middle - 1,
+        output_logits=True,
+        return_dict_in_generate=True,
+        disable_compile=True,  # a probe of four tiny forwards: compiling them would cost more than it saves
+    )
+    generate = type(model).generate  # transformers' own, even where hybrid stands in for the instance's
+    training = model.training
+    model.eval()
+    try:
+        alone = generate(model, tokens, attention_mask=torch.ones_like(tokens), **settings).logits
+        beside = generate(model, padded, attention_mask=(padded != middle - 1).long(), **settings).logits
+    except Exception:  # a model that needs more than tokens fails in its own call, with its own message
+        return False
+    finally:
+        model.train(training)
+    return any(bool((a.float() - b.float()).abs().max() > 1e-3 * a.float().abs().max()) for a, b in zip(alone, beside))
+
+
 class Verifier:
     """Wraps any `AutoModelForCausalLM` for draft verification, one row per sequence of a batch.
 
@@ -240,7 +280,8 @@ class Verifier:
         """Raise unless this model can honour every prompt mask (1-D, 0 = masked; None: none) as `generate` does:
         `generate` counts a masked token as a position where the model's forward takes no position_ids
         (`verifiers.cache.slot_position_problem`), and a masked token after a row's first unmasked one in attention
-        windows that some models apply themselves (`verifiers.cache.masked_window_problem`)."""
+        windows that some models apply themselves (`verifiers.cache.masked_window_problem`); and some models'
+        `generate` lets a padded row's output depend on its padding (`padding_changes_outputs`)."""
         masked = [b for b, mask in enumerate(masks) if mask is not None and not bool(mask.all())]
         problem = slot_position_problem(self.model) if masked else None
         if problem is not None:
@@ -248,6 +289,13 @@ class Verifier:
                 f"attention_mask masks tokens of row {masked[0]}, and {type(self.model).__name__} cannot be told "
                 f"where a row's tokens sit ({problem}): model.generate counts the masked tokens as positions of that "
                 "row, while hybrid places a row's tokens as if it were alone. Pass prompts without padding (one "
+                "call per row), or decode them with model.generate"
+            )
+        if masked and padding_changes_outputs(self.model):
+            raise ValueError(
+                f"attention_mask masks tokens of row {masked[0]}, and model.generate's output for a padded row of "
+                f"{type(self.model).__name__} depends on its padding (its logits for a left-padded row differ from "
+                "the row's alone), while hybrid decodes a row as if it were alone. Pass prompts without padding (one "
                 "call per row), or decode them with model.generate"
             )
         holed = [b for b, mask in enumerate(masks) if mask is not None and bool(prompt_holes(mask)[-1])]
