@@ -84,37 +84,50 @@ TIME_LIMIT_S = 240
 MEMORY_LIMIT_BYTES = 12 * 2**30
 
 
-def tiny_from_defaults(model_type: str):
-    import torch
-    import transformers
-    from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    config = AutoConfig.for_model(model_type)
+def _shrink(config) -> None:
+    """Set SHRINK's fields wherever `config` has them, and in each of its sub-configs (a multimodal model's text,
+    vision and audio configs)."""
     for name, value in SHRINK.items():
         try:
             if name in config.to_dict() or hasattr(config, name):
                 setattr(config, name, value)
         except Exception:  # a derived or per-layer property, or a value its validator refuses: keep the default
             pass
-    if getattr(config, "layer_types", None) is not None:  # two layers, of both kinds where there are two
-        kinds = list(dict.fromkeys(config.layer_types))
-        config.layer_types = (kinds * 2)[:2]
-    if config.to_dict().get("kv_lora_rank"):
-        config.num_key_value_heads = config.num_attention_heads  # as released latent-attention checkpoints have
-    if hasattr(config, "is_decoder"):
-        config.is_decoder = True  # a BERT-like head is a causal LM only as a decoder (without: refused)
-    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        try:
-            setattr(config, name, None)
-        except Exception:
-            pass
-    config.tie_word_embeddings = False
+    for name in getattr(config, "sub_configs", {}):
+        sub = getattr(config, name, None)
+        if sub is not None and sub is not config and hasattr(sub, "to_dict"):
+            _shrink(sub)
+
+
+def tiny_from_defaults(model_type: str):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(model_type)
+    _shrink(config)
+    text = config.get_text_config()
+    for part in [config] if text is config else [config, text]:  # a multimodal model's own and its text config
+        if getattr(part, "layer_types", None) is not None:  # two layers, of both kinds where there are two
+            kinds = list(dict.fromkeys(part.layer_types))
+            part.layer_types = (kinds * 2)[:2]
+        if part.to_dict().get("kv_lora_rank"):
+            part.num_key_value_heads = part.num_attention_heads  # as released latent-attention checkpoints have
+        if hasattr(part, "is_decoder"):
+            part.is_decoder = True  # a BERT-like head is a causal LM only as a decoder (without: refused)
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            try:
+                # A multimodal model writes its text config's pad id over its media tokens (Gemma 4): the batch's.
+                setattr(part, name, 0 if name == "pad_token_id" and part is not config else None)
+            except Exception:
+                pass
+        part.tie_word_embeddings = False
     for name, value in OVERRIDES.get(model_type, {}).items():
         setattr(config, name, value)
     with torch.random.fork_rng():
         torch.manual_seed(0)
-        return getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])(config).eval()
+        # As from_pretrained builds it: for a multimodal config some types give the text model alone (Llama 4,
+        # Qwen3.5), others the whole model (Gemma 3).
+        return AutoModelForCausalLM.from_config(config).eval()
 
 
 def judge(model_type: str) -> dict:

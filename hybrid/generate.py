@@ -236,6 +236,11 @@ def generate(
             f"hybrid.generate got unsupported argument(s) {sorted(unknown)}: they are neither generation "
             "settings nor arguments hybrid honours (see help(hybrid.generate))"
         )
+    passed = kwargs.get("cache_implementation", getattr(generation_config, "cache_implementation", None))
+    if passed is None and config.cache_implementation not in (None, "static", "quantized"):
+        # The model's own default, an offloaded or sliding cache: where `generate` keeps exact keys and values, which
+        # hybrid's own cache holds as well, so it asks hybrid for nothing. A quantized cache changes them: refused.
+        config.cache_implementation = None
     _check_config(config)
 
     input_ids, attention_mask = _check_prompt(model, input_ids, call["attention_mask"])

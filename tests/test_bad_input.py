@@ -589,6 +589,25 @@ UNSUPPORTED = {
 }
 
 
+@pytest.mark.parametrize("default", ["offloaded", "sliding_window", "quantized"])
+def test_a_cache_implementation_that_is_only_the_models_default(default):
+    """A model's generation config may name a cache of its own (Gemma 2 once shipped "hybrid"): where that cache keeps
+    exact keys and values it asks hybrid for nothing; a quantized one changes what `generate` computes: refused."""
+    model = tiny_model("llama", 96, 2, seed=0)
+    model.generation_config.cache_implementation = default
+    prompt = torch.tensor([[4, 5, 6, 4, 5, 6, 7]])
+    if default == "quantized":
+        with pytest.raises(ValueError, match=r"cache_implementation='quantized'"):
+            hybrid.generate(model, prompt, drafter=PromptLookupDrafter(), max_new_tokens=10, pad_token_id=0)
+        return
+    runs_here = {} if default != "offloaded" else {"cache_implementation": "dynamic"}  # offloading needs CUDA
+    expected = model.generate(prompt, max_new_tokens=10, do_sample=False, pad_token_id=0, **runs_here)
+    output = hybrid.generate(model, prompt, drafter=PromptLookupDrafter(), max_new_tokens=10, pad_token_id=0)
+    assert torch.equal(output, expected)
+    with pytest.raises(ValueError, match=rf"cache_implementation='{default}'"):  # passed to the call: refused
+        hybrid.generate(model, prompt, drafter=None, max_new_tokens=10, pad_token_id=0, cache_implementation=default)
+
+
 @pytest.mark.parametrize("case", list(UNSUPPORTED), ids=list(UNSUPPORTED))
 def test_unsupported_argument(env, model, prompt, drafter, case):
     kwargs, error, message = UNSUPPORTED[case]

@@ -361,7 +361,7 @@ def test_architectures_judges_each_type_and_resumes(tmp_path, capsys):
     records = {r["type"]: r for r in map(json.loads, (tmp_path / "records.jsonl").read_text().splitlines())}
     assert records["llama"] == {"type": "llama", "verdict": "equal", "detail": ""}
     assert records["bart"]["verdict"] == "equal" and "padded batch refused" in records["bart"]["detail"]
-    assert records["cpmant"]["verdict"] == "refused" and "attends to the tokens after" in records["cpmant"]["detail"]
+    assert records["cpmant"]["verdict"] == "refused" and "depends on the tokens after it" in records["cpmant"]["detail"]
     assert "differs 0, hybrid error 0, equal 2, refused 1, not built 0" in (tmp_path / "table.md").read_text()
     capsys.readouterr()
     architectures.main(["--types", "llama", "--out", str(tmp_path)])

@@ -167,10 +167,26 @@ def test_only_linears_whose_product_is_reproduced_are_routed():
     class Quantised(nn.Linear):
         pass
 
+    class LinearOnlyWeight(torch.Tensor):
+        """A weight that serves F.linear and no other product, as torchao's quantised weights do."""
+
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            if func is not nn.functional.linear and func.__name__ in ("mm", "matmul", "addmm"):
+                raise NotImplementedError(f"{func.__name__} of a quantised weight")
+            return super().__torch_function__(func, types, args, kwargs or {})
+
     wrapped = nn.Linear(4, 4)
     wrapped.forward = lambda x: x  # a wrapper put on the instance (as accelerate's hooks do)
-    model = nn.Sequential(nn.Linear(4, 4), Quantised(4, 4), nn.Linear(4, 4).to(torch.bfloat16), wrapped, nn.ReLU())
+    subclassed = nn.Linear(4, 4)
+    subclassed.weight = nn.Parameter(subclassed.weight.detach().as_subclass(LinearOnlyWeight))
+    model = nn.Sequential(
+        nn.Linear(4, 4), Quantised(4, 4), nn.Linear(4, 4).to(torch.bfloat16), wrapped, subclassed, nn.ReLU()
+    )
     assert cpu_linears(model) == [model[0]]
+    x = torch.randn(2, 4)
+    with force_kernel("weight-left"), chosen_kernels(cpu_linears(model), {2: "weight-left"}):
+        torch.testing.assert_close(subclassed(x), nn.functional.linear(x, subclassed.weight, subclassed.bias))
 
 
 def test_the_block_leaves_the_modules_as_they_were_and_nests():

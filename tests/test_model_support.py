@@ -4,6 +4,8 @@ that names the problem and the fix."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import transformers
@@ -130,6 +132,23 @@ def test_a_masked_token_inside_a_sliding_window_counts_as_generate_counts_it():
         assert torch.equal(batch[r : r + 1], alone), f"row {r}"
 
 
+def test_a_model_whose_own_mask_ignores_its_window_decodes_as_generate_past_it():
+    """A config that declares a sliding window its model's masks ignore (Moshi's text model; here a Llama given one):
+    `generate` attends fully over the prompt, then through a cache that keeps the window. hybrid's chains once
+    followed the model's full mask past the window and its trees and static path windowed the prompt too."""
+    model = tiny_model("llama", 96, 2, seed=0)
+    model.config.sliding_window = 4  # read by the cache, as Moshi's is; Llama's mask never windows
+    prompt = torch.randint(2, 96, (1, 12), generator=torch.Generator().manual_seed(1))
+    prompt[0, 8:] = prompt[0, 2:6]
+    reference = model.generate(prompt, max_new_tokens=20, **GREEDY)
+    tree = RandomTreeDrafter(96, None, seed=1, guide=OracleDrafter(reference))
+    for drafter in (None, PromptLookupDrafter(), tree):
+        for static in (None, "static"):
+            check_greedy_lossless(
+                model, prompt, drafter, max_new_tokens=20, hybrid_kwargs={"cache_implementation": static}, **GREEDY
+            )
+
+
 def test_a_masked_token_a_local_window_of_its_own_would_miscount_is_refused():
     """GPT-Neo applies its local window inside its attention, over the slots hybrid's cache holds, which leave a
     masked token out: the window would hold one real token more than `generate`'s, so such a prompt is refused up
@@ -189,6 +208,22 @@ def test_a_model_that_attends_ahead_is_refused():
     check_greedy_lossless(
         tiny_model("bert", 96, 2, seed=0), torch.tensor([[4, 5, 6, 4, 5]]), PromptLookupDrafter(), max_new_tokens=20
     )
+
+
+def test_a_model_whose_layers_mix_a_forwards_tokens_is_refused():
+    """torch.ao's dynamic quantization scales all of a forward's tokens by their common range, so a token's output in
+    a verify depends on the drafts after it: a causal Llama quantized so (its head kept in float) gave text other
+    than `generate`'s without a word, its attention declaring itself causal."""
+    quantize_dynamic = getattr(getattr(torch.ao, "quantization", None), "quantize_dynamic", None)
+    if quantize_dynamic is None:
+        pytest.skip("this torch has no torch.ao.quantization.quantize_dynamic")
+    model = tiny_model("llama", 96, 2, seed=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        model.model = quantize_dynamic(model.model, {torch.nn.Linear}, dtype=torch.qint8)
+    for drafter in (None, PromptLookupDrafter()):
+        with pytest.raises(TypeError, match=r"depends on the tokens after it.*dynamic quantization"):
+            hybrid.generate(model, torch.tensor([[4, 5, 6, 4, 5]]), drafter=drafter, max_new_tokens=8, **GREEDY)
 
 
 def test_a_model_that_places_tokens_by_cache_slot_verifies_trees_as_chains():

@@ -100,8 +100,17 @@ class SharedCache(Cache):
         static: the static-shape layout (module docstring): attention reads every slot, capacity is final.
     """
 
-    def __init__(self, model, batch_size: int, capacity: int, hidden_width: int = 0, static: bool = False):
+    def __init__(
+        self,
+        model,
+        batch_size: int,
+        capacity: int,
+        hidden_width: int = 0,
+        static: bool = False,
+        windows_by_mask: bool = False,
+    ):
         text = model.config.get_text_config()
+        self.windows_by_mask = windows_by_mask
         self.sources = cache_layer_sources(text)
         super().__init__(layers=[_RowLayer(self) for _ in self.sources])
         self.capacity = max(int(capacity), 1)
@@ -174,9 +183,11 @@ class SharedCache(Cache):
         self._write_index = starts[:, None] + torch.arange(q, device=self.device)
         self._tree = None if tree is None else (tree[0].to(self.device), tree[1].to(self.device))
         # Static shapes write through the index tensor even when rows are aligned: a slice start would be a
-        # Python int that changes every step, i.e. a new graph.
-        self._write_start = self.lengths[0] if len(set(self.lengths)) == 1 and not self.static else None
-        self.end = self.capacity if self.static else max(self.lengths) + q
+        # Python int that changes every step, i.e. a new graph. The prefill runs eagerly either way, and as in
+        # `generate` through the model's own mask over the prompt's slots alone (`needs_mask`).
+        prefill = not any(self.lengths)
+        self._write_start = self.lengths[0] if len(set(self.lengths)) == 1 and (prefill or not self.static) else None
+        self.end = self.capacity if self.static and not prefill else max(self.lengths) + q
         return self._write_index if tree is None else starts[:, None] + self._tree[0]
 
     def mark_masked(self, masks: list[torch.Tensor | None]) -> None:
@@ -208,8 +219,16 @@ class SharedCache(Cache):
     def needs_mask(self) -> bool:
         """Whether the forward in flight needs `attention_mask`: the model's own causal mask is right only for a
         chain fed at the same slot in every row (the cache then ends at length + q in each), with no masked prompt
-        token inside a sliding window."""
-        return not self.aligned or self._tree is not None or self.holes is not None
+        token inside a sliding window, and, where `windows_by_mask`, not past the sliding window after the prefill.
+
+        `generate` runs the prefill through the model's own mask, then each step through a cache that keeps only
+        the window: a model whose own mask ignores the window its config declares (Moshi's) attends fully over the
+        prompt and through the window after it. The prefill here is the model's own too, and past the window a step
+        takes the masks built here, which window as that cache does (and as a model that honours its window)."""
+        if not self.aligned or self._tree is not None or self.holes is not None:
+            return True
+        started = any(self._forward_start)  # not the prefill
+        return self.windows_by_mask and self.window is not None and started and self.end > self.window
 
     def write(self, buffer: torch.Tensor, states: torch.Tensor, dim: int) -> None:
         """Write a forward's states [rows, ..., q, ...] (q on `dim`) into `buffer` at each row's slots."""

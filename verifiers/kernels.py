@@ -158,12 +158,14 @@ def _rows(x: torch.Tensor) -> int:
 
 def cpu_linears(model: nn.Module) -> list[nn.Linear]:
     """The model's linears whose product a kernel choice can reproduce exactly: plain float32 `nn.Linear`s on a
-    CPU. Subclasses (quantised or parametrised ones) and modules carrying their own `forward` (a wrapper put on
-    the instance, as accelerate's offloading hooks do) keep what they compute. Forward hooks run either way."""
+    CPU. Subclasses (quantised or parametrised ones), linears whose weight is a tensor subclass (torchao's
+    quantised weights) and modules carrying their own `forward` (a wrapper put on the instance, as accelerate's
+    offloading hooks do) keep what they compute. Forward hooks run either way."""
     return [
         m
         for m in model.modules()
         if type(m) is nn.Linear
+        and type(m.weight) is nn.Parameter
         and "forward" not in vars(m)
         and m.weight.device.type == "cpu"
         and m.weight.dtype == torch.float32

@@ -30,6 +30,8 @@ from verifiers.cache import (
 from verifiers.kernels import chosen_kernels, cpu_linears, forget_changed_weights, prepare_linears
 
 STATIC_CAPACITY_STEP = 256  # static caches are sized in multiples of this many slots
+# Where the classes of a model's own modules live: torch's layers, transformers' models, activations and GPT-2's Conv1D.
+OWN_MODULES = ("torch.nn.", "transformers.models.", "transformers.activations", "transformers.pytorch_utils")
 
 
 def adapted_model(model):
@@ -68,12 +70,18 @@ def check_causal_lm(model, role: str = "verifier") -> None:
             "AutoModelForCausalLM (encoder-decoder and encoder-only models are not supported)"
         )
     if attends_ahead(model):
-        is_decoder = getattr(model.config.get_text_config(), "is_decoder", None)
-        fix = "load it with is_decoder=True" if is_decoder is False else "use a causal LM"
+        if getattr(model.config.get_text_config(), "is_decoder", None) is False:
+            raise TypeError(
+                f"{type(model).__name__} attends to the tokens after each position (its config has "
+                "is_decoder=False), so no forward of several tokens scores them as model.generate decodes them one "
+                "by one: load it with is_decoder=True"
+            )
         raise TypeError(
-            f"{type(model).__name__} attends to the tokens after each position"
-            + (" (its config has is_decoder=False)" if is_decoder is False else "")
-            + f", so no forward of several tokens scores them as model.generate decodes them one by one: {fix}"
+            f"{type(model).__name__}'s output at a position depends on the tokens after it in the same forward "
+            "(attention that looks ahead, or layers that mix a forward's tokens, as torch.ao's dynamic "
+            "quantization does by scaling them all by their common range), so no forward of several tokens scores "
+            "them as model.generate decodes them one by one: use a causal LM whose layers compute each token "
+            "from its own row (quantize weights only, or activations per token), or decode with model.generate"
         )
 
 
@@ -81,8 +89,10 @@ _ATTENDS_AHEAD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def attends_ahead(model) -> bool:
-    """Whether `model`'s output at a position depends on tokens after it, as a BERT-family LM head's does when loaded
-    without is_decoder=True. Self-attention modules that all declare is_causal=True settle it; otherwise a forward of
+    """Whether `model`'s output at a position depends on tokens after it in the same forward, as a BERT-family LM
+    head's does when loaded without is_decoder=True, or a model whose linears torch.ao quantized dynamically (one
+    activation scale for all of a forward's tokens). Self-attention modules that all declare is_causal=True, in a
+    model built of torch's and transformers' own modules with plain parameters, settle it; otherwise a forward of
     four tokens and one with the last token changed tell, once per model."""
     declared = [
         module.is_causal
@@ -91,11 +101,20 @@ def attends_ahead(model) -> bool:
         and not getattr(module, "is_cross_attention", False)
         and "cross" not in type(module).__name__.lower()
     ]
-    if declared and all(declared):
+    if declared and all(declared) and _built_of_own_modules(model):
         return False
     if model not in _ATTENDS_AHEAD:
         _ATTENDS_AHEAD[model] = _changes_earlier_outputs(model)
     return _ATTENDS_AHEAD[model]
+
+
+def _built_of_own_modules(model) -> bool:
+    """Whether every module is torch.nn's or a transformers model's own class and every parameter a plain one: each
+    position's output then comes from its own row and the causal attention. Layers from elsewhere (quantization
+    libraries, adapters, remote code) or quantized weight tensors may compute otherwise."""
+    return all(type(m).__module__.startswith(OWN_MODULES) for m in model.modules()) and all(
+        type(p) is torch.nn.Parameter for p in model.parameters()
+    )
 
 
 @torch.inference_mode()
@@ -330,7 +349,9 @@ class Verifier:
         self.check_masks(masks)
         if self.static:  # calls of similar length share a capacity, hence their compiled graphs
             capacity = -(-capacity // STATIC_CAPACITY_STEP) * STATIC_CAPACITY_STEP
-        self.cache = SharedCache(self.model, len(rows), capacity, self.hidden_width, static=self.static)
+        self.cache = SharedCache(
+            self.model, len(rows), capacity, self.hidden_width, static=self.static, windows_by_mask=self.batches
+        )
         self.cache.mark_masked(masks)
         lengths = [row.shape[0] for row in rows]
         width = max(lengths)
