@@ -149,6 +149,20 @@ def _gemma4(vocab_size, num_layers, window):
     ), transformers.Gemma4UnifiedForCausalLM
 
 
+def _moshi(vocab_size, num_layers, window):
+    """Moshi's text model: its config declares a sliding window that its own masks ignore, while `generate`'s cache
+    keeps only the window: full attention over the prompt, windowed after it."""
+    return transformers.MoshiConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        ffn_dim=64,
+        sliding_window=window or 4,
+    ), transformers.MoshiForCausalLM
+
+
 ARCHITECTURES = {
     "llama": _llama_like(transformers.LlamaConfig, transformers.LlamaForCausalLM),
     "qwen2": _llama_like(transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
@@ -215,6 +229,7 @@ ARCHITECTURES = {
     "gemma4": _gemma4,  # per-layer head sizes; sliding layers
     "bert": _bert_decoder,  # causal through is_decoder=True
     "bart": _bart_decoder,  # no position_ids: tokens placed by cache slot
+    "moshi": _moshi,  # a window its own masks ignore
 }
 # Llama-like architectures: what the block-diffusion drafter (RoPE, RMSNorm, SwiGLU geometry) can be built for.
 LLAMA_LIKE = ("llama", "qwen2", "qwen3", "mistral")
@@ -480,11 +495,18 @@ def check_stats_consistent(stats: hybrid.GenerationStats, new_tokens: int) -> No
     assert math.isclose(stats.tau, new_tokens / len(steps))
 
 
-def check_cache_matches_prefill(model, sequences: torch.Tensor, cache, atol: float = 1e-4) -> None:
-    """The cache left by a generation equals a fresh prefill of the sequence minus its newest token."""
+def check_cache_matches_prefill(
+    model, sequences: torch.Tensor, cache, atol: float = 1e-4, prompt_length: int | None = None
+) -> None:
+    """The cache left by a generation equals a fresh prefill of the sequence minus its newest token; with
+    `prompt_length`, the cache `generate` builds: a prefill of the prompt, then one token per forward (which is
+    another cache for a model whose own mask ignores the window its config declares, as Moshi's does)."""
     fresh = DynamicCache(config=model.config)
+    prefill = sequences.shape[1] - 1 if prompt_length is None else prompt_length
     with torch.inference_mode():
-        model(sequences[:, :-1], cache=fresh, use_cache=True)
+        model(sequences[:, :prefill], cache=fresh, use_cache=True)
+        for t in range(prefill, sequences.shape[1] - 1):
+            model(sequences[:, t : t + 1], cache=fresh, use_cache=True)
     assert cache.get_seq_length() == fresh.get_seq_length() == sequences.shape[1] - 1
     for i, (mine, theirs) in enumerate(zip(cache.layers, fresh.layers)):
         for name in ("keys", "values"):

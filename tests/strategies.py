@@ -30,17 +30,24 @@ from hybrid.testing import (
 from schedulers import ConfidenceScheduler, CostAwareScheduler, FixedScheduler, HeuristicScheduler
 from verifiers.cache import masked_window_problem, row_mask_problem, slot_position_problem
 
+# Architectures whose forward over a whole sequence is not how `generate` decodes it: Moshi's own mask ignores the
+# window its cache keeps, so past the window a fresh forward gives other states than decoding does.
+DECODES_UNLIKE_A_FRESH_FORWARD = ("moshi",)
+
 
 @st.composite
-def verifiers(draw):
-    arch = draw(st.sampled_from(sorted(ARCHITECTURES)))
-    window = draw(st.sampled_from([None, 4, 9])) if arch in ("mistral", "gpt_neo", "gemma4") else None
+def verifiers(draw, fresh_forward_reference: bool = False):
+    """A random tiny verifier; `fresh_forward_reference`: one whose decoding a fresh forward over the sequence
+    reproduces (what properties that compare against such a forward need)."""
+    excluded = DECODES_UNLIKE_A_FRESH_FORWARD if fresh_forward_reference else ()
+    arch = draw(st.sampled_from(sorted(set(ARCHITECTURES) - set(excluded))))
+    window = draw(st.sampled_from([None, 4, 9])) if arch in ("mistral", "gpt_neo", "gemma4", "moshi") else None
     return tiny_model(arch, draw(st.integers(32, 96)), draw(st.integers(1, 2)), draw(st.integers(0, 2**16)), window)
 
 
 def cache_layouts(model):
     """The cache layouts to draw for `model`: the static one only where the model takes hybrid's per-row masks
-    (tests/test_audit.py checks the refusal elsewhere)."""
+    (tests/test_model_support.py checks the refusal elsewhere)."""
     return st.sampled_from([None, "static"] if row_mask_problem(model) is None else [None])
 
 

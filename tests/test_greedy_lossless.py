@@ -72,7 +72,7 @@ def test_cache_after_generation_equals_fresh_prefill(data):
         return_dict_in_generate=True,
         cache_implementation=static,
     )
-    check_cache_matches_prefill(model, out.sequences, out.cache)
+    check_cache_matches_prefill(model, out.sequences, out.cache, prompt_length=input_ids.shape[1])
 
 
 def test_left_padded_prompt_matches_model_generate():

@@ -25,7 +25,7 @@ PROPERTY = settings(max_examples=30, deadline=None, suppress_health_check=[Healt
 def test_rollback_leaves_every_row_equal_to_a_fresh_prefill(data):
     """Random verifies of uneven width and random per-row rollbacks: each row's keys, values and hidden
     states then equal a fresh forward over that row's committed tokens, and so do its next logits."""
-    model = data.draw(verifiers(), label="verifier")
+    model = data.draw(verifiers(fresh_forward_reference=True), label="verifier")
     vocab = model.config.vocab_size
     token = st.integers(0, vocab - 1)
     per_row_masks = row_mask_problem(model) is None  # else one row per forward, and no static layout

@@ -31,7 +31,7 @@ class SpyDrafter(Drafter):
 def test_drafter_sees_exactly_the_states_of_the_committed_prefix(data):
     """At every step the states cover input_ids[:-1] (the newest token is not yet verified) and equal a
     fresh forward over that prefix: rejected drafts leave no trace, later tokens are never visible."""
-    model = data.draw(verifiers(), label="verifier")
+    model = data.draw(verifiers(fresh_forward_reference=True), label="verifier")
     input_ids = data.draw(prompts(model.config.vocab_size), label="prompt")
     drafter = SpyDrafter()
     hybrid.generate(
