@@ -149,6 +149,25 @@ def test_a_model_whose_own_mask_ignores_its_window_decodes_as_generate_past_it()
             )
 
 
+def test_a_masked_token_inside_a_window_its_model_ignores_is_attended_over_as_generate_does():
+    """Moshi's own mask ignores its window, so `generate`'s prefill of a holed prompt attends over all of it, while a
+    model that applies its window counts the hole in it: the holed row's forward as `generate` runs it tells which."""
+    model = tiny_model("moshi", 64, 2, seed=0, sliding_window=4)
+    ids, mask = holed_prompt(9)
+    tree = RandomTreeDrafter(64, None, seed=1, guide=ModelDrafter(model))
+    for drafter in (None, ModelDrafter(model), tree):
+        for static in (None, "static"):
+            check_greedy_lossless(
+                model,
+                ids,
+                drafter,
+                attention_mask=mask,
+                max_new_tokens=16,
+                hybrid_kwargs={"cache_implementation": static},
+                **GREEDY,
+            )
+
+
 def test_a_masked_token_a_local_window_of_its_own_would_miscount_is_refused():
     """GPT-Neo applies its local window inside its attention, over the slots hybrid's cache holds, which leave a
     masked token out: the window would hold one real token more than `generate`'s, so such a prompt is refused up

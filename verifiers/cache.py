@@ -128,6 +128,9 @@ class SharedCache(Cache):
         self._tree: tuple[torch.Tensor, torch.Tensor] | None = None  # the fed token tree's depths and visibility
         self._forward_start: list[int] = []  # each row's length before the last forward
         self.holes: torch.Tensor | None = None  # [rows, P + 1] masked prompt tokens before each slot (`mark_masked`)
+        # The prefill through the model's own mask even over holes (`Verifier.prefill_rows`: a model whose own mask
+        # ignores its window attends over a holed prompt in full under `generate`).
+        self.prefill_by_own_mask = False
         self.end = 0  # slots attention reads this forward: max(lengths) + q
 
     # -- memory -------------------------------------------------------------------------------------
@@ -225,9 +228,11 @@ class SharedCache(Cache):
         the window: a model whose own mask ignores the window its config declares (Moshi's) attends fully over the
         prompt and through the window after it. The prefill here is the model's own too, and past the window a step
         takes the masks built here, which window as that cache does (and as a model that honours its window)."""
-        if not self.aligned or self._tree is not None or self.holes is not None:
-            return True
         started = any(self._forward_start)  # not the prefill
+        if not self.aligned or self._tree is not None:
+            return True
+        if self.holes is not None and (started or not self.prefill_by_own_mask):
+            return True
         return self.windows_by_mask and self.window is not None and started and self.end > self.window
 
     def write(self, buffer: torch.Tensor, states: torch.Tensor, dim: int) -> None:

@@ -13,7 +13,7 @@ import contextlib
 import weakref
 
 import torch
-from transformers import GenerationMixin, PreTrainedModel
+from transformers import DynamicCache, GenerationMixin, PreTrainedModel
 
 from verifiers.cache import (
     SharedCache,
@@ -349,10 +349,20 @@ class Verifier:
         self.check_masks(masks)
         if self.static:  # calls of similar length share a capacity, hence their compiled graphs
             capacity = -(-capacity // STATIC_CAPACITY_STEP) * STATIC_CAPACITY_STEP
+        logits = self._prefill(rows, capacity, masks, own_mask=False)
+        holed = [b for b, mask in enumerate(masks) if mask is not None and bool(prompt_holes(mask)[-1])]
+        if holed and self.cache.holes is not None:
+            logits = self._prefill_as_generate(rows, capacity, masks, holed, logits)
+        return logits
+
+    def _prefill(self, rows, capacity: int, masks, own_mask: bool) -> torch.Tensor:
+        """A fresh cache holding `rows`; the logits after each one's last token. `own_mask`: through the model's own
+        mask even where a masked prompt token sits inside a sliding window."""
         self.cache = SharedCache(
             self.model, len(rows), capacity, self.hidden_width, static=self.static, windows_by_mask=self.batches
         )
         self.cache.mark_masked(masks)
+        self.cache.prefill_by_own_mask = own_mask
         lengths = [row.shape[0] for row in rows]
         width = max(lengths)
         # Right-padded: a real token only sees earlier slots, so the padding needs no mask; its slots lie
@@ -370,6 +380,40 @@ class Verifier:
         column = torch.searchsorted(keep, last) if self._supports_logits_to_keep else last
         self.cache.rollback([width - n for n in lengths])
         return logits[torch.arange(len(rows)), column]
+
+    @torch.inference_mode()
+    def _prefill_as_generate(self, rows, capacity: int, masks, holed: list[int], logits: torch.Tensor) -> torch.Tensor:
+        """A prompt with a masked token inside a sliding window: `generate` counts the hole in the window of a model
+        that applies its configured window (the masks built here do too), while a model whose own mask ignores that
+        window (Moshi's) attends over the whole prompt in `generate`'s prefill. The holed rows' forward as `generate`
+        runs it tells which; the prefill through the model's own mask is kept where it is the nearer."""
+        reference = []
+        for b in holed:
+            mask = masks[b].to(rows[b].device)
+            tokens = torch.full_like(mask, int(rows[b][0]))  # a masked token's id changes nothing
+            tokens[mask.bool()] = rows[b]
+            position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)  # as `generate` numbers them
+            out = self.model(
+                tokens[None],
+                attention_mask=mask[None],
+                position_ids=position_ids[None],
+                cache=DynamicCache(config=self.model.config),
+                use_cache=True,
+            )
+            reference.append(out.logits[0, -1].float())
+        reference = torch.stack(reference)
+
+        def error(candidate: torch.Tensor) -> float:
+            return float((candidate[holed] - reference).abs().max() / reference.abs().max())
+
+        if error(logits) <= 1e-3:
+            return logits
+        windowed = self.cache
+        own = self._prefill(rows, capacity, masks, own_mask=True)
+        if error(own) < error(logits):
+            return own
+        self.cache = windowed
+        return logits
 
     @torch.inference_mode()
     def verify_rows(
