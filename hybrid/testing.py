@@ -243,8 +243,8 @@ def tiny_model(
     sliding_window: int | None = None,
     max_position_embeddings: int = 128,
 ):
-    """A random causal LM small enough for hundreds of examples a minute (`sliding_window`: Mistral's window, or
-    GPT-Neo's local window).
+    """A random causal LM small enough for hundreds of examples a minute (`sliding_window`: the window of Mistral,
+    Gemma 4 and Moshi, or GPT-Neo's local window).
 
     initializer_range 0.3 makes logits spread out, so top-2 near ties are as rare as in real models.
     """

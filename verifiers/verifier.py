@@ -389,10 +389,10 @@ class Verifier:
         runs it tells which; the prefill through the model's own mask is kept where it is the nearer."""
         reference = []
         for b in holed:
-            mask = masks[b].to(rows[b].device)
-            tokens = torch.full_like(mask, int(rows[b][0]))  # a masked token's id changes nothing
+            mask = masks[b].to(rows[b].device).long()
+            tokens = rows[b].new_full(mask.shape, int(rows[b][0]))  # a masked token's id changes nothing
             tokens[mask.bool()] = rows[b]
-            position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)  # as `generate` numbers them
+            position_ids = (mask.cumsum(-1) - 1).clamp(min=0)  # as `generate` numbers them
             out = self.model(
                 tokens[None],
                 attention_mask=mask[None],
