@@ -98,6 +98,15 @@ def holed_prompt(hole: int):
     return ids, mask
 
 
+def check_each_layout(model, prompt, drafters, **kwargs):
+    """Greedy output equals `generate`'s with each drafter, on the dynamic and the static cache layout."""
+    for drafter in drafters:
+        for static in (None, "static"):
+            check_greedy_lossless(
+                model, prompt, drafter, hybrid_kwargs={"cache_implementation": static}, **GREEDY, **kwargs
+            )
+
+
 def test_a_masked_token_inside_a_sliding_window_counts_as_generate_counts_it():
     """`generate` measures a sliding window in its cache positions, which count a masked token's slot: a token after
     the hole sees one real token fewer. hybrid's cache leaves the hole out, and its masks count it back in (plain
@@ -107,17 +116,7 @@ def test_a_masked_token_inside_a_sliding_window_counts_as_generate_counts_it():
     out = hybrid.generate(model, ids, attention_mask=mask, drafter=None, max_new_tokens=8, **GREEDY)
     assert out[0, 12:].tolist() == [36, 3, 63, 28, 30, 50, 18, 61]  # model.generate's
     tree = RandomTreeDrafter(64, None, seed=1, guide=ModelDrafter(model))
-    for drafter in (None, ModelDrafter(model), tree):
-        for static in (None, "static"):
-            check_greedy_lossless(
-                model,
-                ids,
-                drafter,
-                attention_mask=mask,
-                max_new_tokens=16,
-                hybrid_kwargs={"cache_implementation": static},
-                **GREEDY,
-            )
+    check_each_layout(model, ids, (None, ModelDrafter(model), tree), attention_mask=mask, max_new_tokens=16)
     other = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(5))
     batch = hybrid.generate(
         model,
@@ -142,11 +141,7 @@ def test_a_model_whose_own_mask_ignores_its_window_decodes_as_generate_past_it()
     prompt[0, 8:] = prompt[0, 2:6]
     reference = model.generate(prompt, max_new_tokens=20, **GREEDY)
     tree = RandomTreeDrafter(96, None, seed=1, guide=OracleDrafter(reference))
-    for drafter in (None, PromptLookupDrafter(), tree):
-        for static in (None, "static"):
-            check_greedy_lossless(
-                model, prompt, drafter, max_new_tokens=20, hybrid_kwargs={"cache_implementation": static}, **GREEDY
-            )
+    check_each_layout(model, prompt, (None, PromptLookupDrafter(), tree), max_new_tokens=20)
 
 
 def test_a_masked_token_inside_a_window_its_model_ignores_is_attended_over_as_generate_does():
@@ -155,17 +150,7 @@ def test_a_masked_token_inside_a_window_its_model_ignores_is_attended_over_as_ge
     model = tiny_model("moshi", 64, 2, seed=0, sliding_window=4)
     ids, mask = holed_prompt(9)
     tree = RandomTreeDrafter(64, None, seed=1, guide=ModelDrafter(model))
-    for drafter in (None, ModelDrafter(model), tree):
-        for static in (None, "static"):
-            check_greedy_lossless(
-                model,
-                ids,
-                drafter,
-                attention_mask=mask,
-                max_new_tokens=16,
-                hybrid_kwargs={"cache_implementation": static},
-                **GREEDY,
-            )
+    check_each_layout(model, ids, (None, ModelDrafter(model), tree), attention_mask=mask, max_new_tokens=16)
 
 
 def test_a_masked_token_a_local_window_of_its_own_would_miscount_is_refused():

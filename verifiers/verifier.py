@@ -85,9 +85,6 @@ def check_causal_lm(model, role: str = "verifier") -> None:
         )
 
 
-_ATTENDS_AHEAD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 def attends_ahead(model) -> bool:
     """Whether `model`'s output at a position depends on tokens after it in the same forward, as a BERT-family LM
     head's does when loaded without is_decoder=True, or a model whose linears torch.ao quantized dynamically (one
@@ -103,9 +100,7 @@ def attends_ahead(model) -> bool:
     ]
     if declared and all(declared) and _built_of_own_modules(model):
         return False
-    if model not in _ATTENDS_AHEAD:
-        _ATTENDS_AHEAD[model] = _changes_earlier_outputs(model)
-    return _ATTENDS_AHEAD[model]
+    return _probed(model, _changes_earlier_outputs)
 
 
 def _built_of_own_modules(model) -> bool:
@@ -117,40 +112,55 @@ def _built_of_own_modules(model) -> bool:
     )
 
 
-@torch.inference_mode()
-def _changes_earlier_outputs(model) -> bool:
-    middle = model.get_input_embeddings().num_embeddings // 2  # clear of the special tokens at either end
-    tokens = torch.arange(middle, middle + 4, device=model.device)[None]
-    changed = tokens.clone()
-    changed[0, -1] = middle - 1
-    training = model.training
-    model.eval()  # dropout would change every output
-    try:
-        before = model(tokens, use_cache=False).logits[0, :-1].float()
-        after = model(changed, use_cache=False).logits[0, :-1].float()
-    except Exception:  # a model that needs more than tokens fails in its own call, with its own message
-        return False
-    finally:
-        model.train(training)
-    return bool((before - after).abs().max() > 1e-3 * before.abs().max())
-
-
-_PADDING_CHANGES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 def padding_changes_outputs(model) -> bool:
     """Whether `model.generate`'s logits for a left-padded row differ from the same row's alone, as GIT's do (its
     decoding steps widen a 2-D mask by its image tokens, moving a padded row's mask off its slots). hybrid decodes
     each row as if it were alone, so it cannot follow such a model's padded rows. Told by two greedy `generate` calls
     of two new tokens each (the prefill and a cached step), once per model."""
-    if model not in _PADDING_CHANGES:
-        _PADDING_CHANGES[model] = _padded_logits_differ(model)
-    return _PADDING_CHANGES[model]
+    return _probed(model, _padded_logits_differ)
+
+
+# model -> {probe: verdict}; weak, so a verdict lives as long as its model
+_VERDICTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @torch.inference_mode()
-def _padded_logits_differ(model) -> bool:
-    middle = model.get_input_embeddings().num_embeddings // 2  # clear of the special tokens at either end
+def _probed(model, probe) -> bool:
+    """`probe(model, middle)`'s verdict, run once per model in eval mode (dropout would change every output) from
+    token ids around `middle`, clear of the special tokens at either end of the vocabulary. A model that needs more
+    than tokens fails in its own call, with its own message: here its verdict is False."""
+    verdicts = _VERDICTS.setdefault(model, {})
+    if probe not in verdicts:
+        training = model.training
+        model.eval()
+        try:
+            verdicts[probe] = probe(model, model.get_input_embeddings().num_embeddings // 2)
+        except Exception:
+            verdicts[probe] = False
+        finally:
+            model.train(training)
+    return verdicts[probe]
+
+
+def _relative_difference(reference: torch.Tensor, other: torch.Tensor) -> float:
+    """How far `other` is from `reference`, as a share of the largest magnitude in `reference` (float32)."""
+    reference, other = reference.float(), other.float()
+    return float((other - reference).abs().max() / reference.abs().max())
+
+
+_LOGITS_DIFFER = 1e-3  # a relative difference of logits past float noise: the model computed something else
+
+
+def _changes_earlier_outputs(model, middle: int) -> bool:
+    tokens = torch.arange(middle, middle + 4, device=model.device)[None]
+    changed = tokens.clone()
+    changed[0, -1] = middle - 1
+    before = model(tokens, use_cache=False).logits[0, :-1]
+    after = model(changed, use_cache=False).logits[0, :-1]
+    return _relative_difference(before, after) > _LOGITS_DIFFER
+
+
+def _padded_logits_differ(model, middle: int) -> bool:
     tokens = torch.arange(middle, middle + 3, device=model.device)[None]
     padded = torch.cat([tokens.new_full((1, 2), middle - 1), tokens], dim=1)
     settings = dict(
@@ -163,16 +173,14 @@ def _padded_logits_differ(model) -> bool:
         disable_compile=True,  # a probe of four tiny forwards: compiling them would cost more than it saves
     )
     generate = type(model).generate  # transformers' own, even where hybrid stands in for the instance's
-    training = model.training
-    model.eval()
-    try:
-        alone = generate(model, tokens, attention_mask=torch.ones_like(tokens), **settings).logits
-        beside = generate(model, padded, attention_mask=(padded != middle - 1).long(), **settings).logits
-    except Exception:  # a model that needs more than tokens fails in its own call, with its own message
-        return False
-    finally:
-        model.train(training)
-    return any(bool((a.float() - b.float()).abs().max() > 1e-3 * a.float().abs().max()) for a, b in zip(alone, beside))
+    alone = generate(model, tokens, attention_mask=torch.ones_like(tokens), **settings).logits
+    beside = generate(model, padded, attention_mask=(padded != middle - 1).long(), **settings).logits
+    return any(_relative_difference(a, b) > _LOGITS_DIFFER for a, b in zip(alone, beside))
+
+
+def _holed_rows(masks: list[torch.Tensor | None]) -> list[int]:
+    """The rows whose prompt mask masks a token after the row's first unmasked one."""
+    return [b for b, mask in enumerate(masks) if mask is not None and bool(prompt_holes(mask)[-1])]
 
 
 class Verifier:
@@ -317,7 +325,7 @@ class Verifier:
                 "the row's alone), while hybrid decodes a row as if it were alone. Pass prompts without padding (one "
                 "call per row), or decode them with model.generate"
             )
-        holed = [b for b, mask in enumerate(masks) if mask is not None and bool(prompt_holes(mask)[-1])]
+        holed = _holed_rows(masks)
         if not holed:
             return
         problem = masked_window_problem(self.model)
@@ -350,7 +358,7 @@ class Verifier:
         if self.static:  # calls of similar length share a capacity, hence their compiled graphs
             capacity = -(-capacity // STATIC_CAPACITY_STEP) * STATIC_CAPACITY_STEP
         logits = self._prefill(rows, capacity, masks, own_mask=False)
-        holed = [b for b, mask in enumerate(masks) if mask is not None and bool(prompt_holes(mask)[-1])]
+        holed = _holed_rows(masks)
         if holed and self.cache.holes is not None:
             logits = self._prefill_as_generate(rows, capacity, masks, holed, logits)
         return logits
@@ -403,16 +411,14 @@ class Verifier:
             reference.append(out.logits[0, -1].float())
         reference = torch.stack(reference)
 
-        def error(candidate: torch.Tensor) -> float:
-            return float((candidate[holed] - reference).abs().max() / reference.abs().max())
-
-        if error(logits) <= 1e-3:
+        windowed = _relative_difference(reference, logits[holed])
+        if windowed <= _LOGITS_DIFFER:
             return logits
-        windowed = self.cache
+        windowed_cache = self.cache
         own = self._prefill(rows, capacity, masks, own_mask=True)
-        if error(own) < error(logits):
+        if _relative_difference(reference, own[holed]) < windowed:
             return own
-        self.cache = windowed
+        self.cache = windowed_cache
         return logits
 
     @torch.inference_mode()
