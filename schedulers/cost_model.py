@@ -27,7 +27,6 @@ import contextlib
 import functools
 import hashlib
 import json
-import os
 import platform
 import time
 from pathlib import Path
@@ -35,8 +34,8 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from verifiers.cache import learned_position_limit
-from verifiers.embedded import cache_dir
+from verifiers.cache import SEVERAL_TOKENS, cache_feed_problem, learned_position_limit
+from verifiers.embedded import measurements_dir
 from verifiers.kernels import KERNELS, chosen_kernels, cpu_linears, force_kernel, prepare_linears
 
 # Every width of a chain of up to 16 drafts + the pending token, then tree widths (the curve is smooth there).
@@ -63,11 +62,12 @@ def cpu_name() -> str:
 def device_key(model) -> str:
     """Identifies a (model, dtype, device, CPU or GPU model, threads) combination for the on-disk cache."""
     config = model.config.get_text_config()
+    sizes = [getattr(config, name, None) for name in ("hidden_size", "num_hidden_layers", "vocab_size")]
+    if None in sizes:  # kept in sub-configs (BLT's): the parameter count tells one size of such a model from another
+        sizes.append(sum(p.numel() for p in model.parameters()))
     parts = [
         type(model).__name__,
-        str(config.hidden_size),
-        str(config.num_hidden_layers),
-        str(config.vocab_size),
+        *map(str, sizes),
         str(model.dtype),
         str(model.device),
         str(torch.get_num_threads()),
@@ -93,6 +93,14 @@ def measure_verify_costs(model, sizes=PROBE_SIZES, repeats: int = 3, kernels=KER
 
 
 def _measure_verify_costs(model, sizes, repeats: int, kernels) -> dict[str, dict[int, float]]:
+    problem = cache_feed_problem(model, SEVERAL_TOKENS)
+    if problem:
+        plain = cache_feed_problem(model, 1) is None
+        raise ValueError(
+            f"{type(model).__name__} cannot take several tokens on top of its cache, so no verify of drafted tokens "
+            f"can be timed or run: {problem}. Decode it with "
+            + ("drafter=None and no scheduler (one token per forward)" if plain else "model.generate")
+        )
     vocab = model.config.get_text_config().vocab_size
     limit = learned_position_limit(model)  # a learned position table bounds context + m
     sizes = tuple(m for m in sizes if limit is None or m < limit)
@@ -101,7 +109,8 @@ def _measure_verify_costs(model, sizes, repeats: int, kernels) -> dict[str, dict
     context = torch.randint(0, vocab, (1, length), generator=generator).to(model.device)
     cache = DynamicCache(config=model.config)
     cache.activate_past_recording()  # sliding-window layers keep what the crop below removes (as in Verifier)
-    model(context, cache=cache, use_cache=True)
+    # Position ids as the verifier passes them: some forwards cannot derive their own (XMOD's without a pad id)
+    model(context, position_ids=torch.arange(length, device=model.device)[None], cache=cache, use_cache=True)
     linears = cpu_linears(model)
     kernels = tuple(k for k in kernels if k == "torch" or linears)
     costs = {kernel: {m: float("inf") for m in sizes} for kernel in kernels}
@@ -278,15 +287,8 @@ class VerifyCostModel:
         return table[-1] + max(slope, 0.0) * (m - sizes[-1])
 
 
-def tables_dir() -> Path:
-    """Where measured cost tables are kept: $HYBRID_COSTS, else the cache's costs/ folder (the test suite points it
-    at a temporary folder, so that tables of its tiny models, timed on a machine busy with the suite, never reach
-    the cache a real decode reads)."""
-    return Path(os.environ["HYBRID_COSTS"]) if os.environ.get("HYBRID_COSTS") else cache_dir() / "costs"
-
-
 def _table_path(model) -> Path:
-    return tables_dir() / f"{device_key(model)}.json"
+    return measurements_dir() / f"{device_key(model)}.json"
 
 
 def cached_kernel_choice(model) -> tuple[dict[int, str], dict[int, float]]:

@@ -18,8 +18,9 @@ settings.register_profile("no-shrink", phases=[Phase.explicit, Phase.reuse, Phas
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests import `strategies` directly
 
-# Cost tables the suite measures (tiny models, timed beside other tests) stay out of the user's cache, where a real
-# decode would read them (schedulers.cost_model.tables_dir); each test process gets its own folder.
+# What the suite measures of its tiny models (cost tables timed beside other tests, probe verdicts) stays out of the
+# user's cache, where a real decode would read it (verifiers.embedded.measurements_dir); each test process gets its
+# own folder.
 os.environ["HYBRID_COSTS"] = tempfile.mkdtemp(prefix="hybrid-test-costs-")
 atexit.register(shutil.rmtree, os.environ["HYBRID_COSTS"], ignore_errors=True)
 

@@ -18,6 +18,7 @@ from drafters.oracle import OracleDrafter
 from hybrid.testing import check_greedy_lossless, check_sampled_identical, tiny_model
 from schedulers import FixedScheduler
 from verifiers import cache as cache_module
+from verifiers import verifier as verifier_module
 
 GREEDY = {"do_sample": False, "pad_token_id": 0}
 
@@ -230,6 +231,74 @@ def test_a_model_whose_layers_mix_a_forwards_tokens_is_refused():
             hybrid.generate(model, torch.tensor([[4, 5, 6, 4, 5]]), drafter=drafter, max_new_tokens=8, **GREEDY)
 
 
+class OutlierColumnsLinear(torch.nn.Module):
+    """LLM.int8's product: the columns where any of a forward's tokens exceeds the threshold are multiplied as they
+    are, the rest after rounding each token's row to 127 steps of its own range."""
+
+    def __init__(self, linear: torch.nn.Linear, threshold: float):
+        super().__init__()
+        self.linear, self.threshold = linear, threshold
+
+    def forward(self, x):
+        outliers = (x.reshape(-1, x.shape[-1]).abs() > self.threshold).any(0)
+        rest = x.masked_fill(outliers, 0)
+        step = rest.abs().amax(-1, keepdim=True).clamp_min(1e-8) / 127
+        return self.linear(torch.where(outliers, x, (rest / step).round() * step))
+
+
+def test_a_model_whose_layers_take_outlier_columns_across_a_forward_is_refused():
+    """bitsandbytes' LLM.int8 (its default llm_int8_threshold=6) takes a column out of the int8 product wherever any
+    of the forward's tokens exceeds the threshold: a token's output in a verify depends on the drafts after it. On
+    SmolLM2 it gave text other than `generate`'s, and no token of the vocabulary moved the columns in the probe."""
+    model = tiny_model("llama", 96, 2, seed=0)
+    for layer in model.model.layers:  # the products whose inputs are normalized: ordinary tokens stay under 4.5
+        for parent, name in [(layer.self_attn, n) for n in ("q_proj", "k_proj", "v_proj")] + [
+            (layer.mlp, n) for n in ("gate_proj", "up_proj")
+        ]:
+            setattr(parent, name, OutlierColumnsLinear(getattr(parent, name), threshold=4.5))
+    for drafter in (None, PromptLookupDrafter()):
+        with pytest.raises(TypeError, match=r"depends on the tokens after it.*outlier columns"):
+            hybrid.generate(model, torch.tensor([[4, 5, 6, 4, 5]]), drafter=drafter, max_new_tokens=8, **GREEDY)
+
+
+class WidthKernelLinear(torch.nn.Module):
+    """A product whose kernel depends on the forward's width, as some int8 products of activations quantized on the
+    fly do: one token exactly, several after rounding each token's row to 15 steps of its own range."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        self.linear = linear
+
+    def forward(self, x):
+        if x.shape[-2] > 1:
+            step = x.abs().amax(-1, keepdim=True).clamp_min(1e-8) / 15
+            x = (x / step).round() * step
+        return self.linear(x)
+
+
+def test_a_model_whose_scores_depend_on_its_forwards_width_is_refused():
+    """torchao's int8 products of per-token quantized activations score a token other numbers in a forward of several
+    tokens than in one of one, on a CPU: on SmolLM2 hybrid gave text other than `generate`'s, each token's output
+    still its own row's."""
+    model = tiny_model("llama", 96, 2, seed=0)
+    for layer in model.model.layers:
+        layer.mlp.up_proj = WidthKernelLinear(layer.mlp.up_proj)
+    for drafter in (None, PromptLookupDrafter()):
+        with pytest.raises(TypeError, match=r"depend on how many tokens its forward feeds"):
+            hybrid.generate(model, torch.tensor([[4, 5, 6, 4, 5]]), drafter=drafter, max_new_tokens=8, **GREEDY)
+
+
+def test_a_half_precision_model_of_other_modules_is_served_through_its_rounding():
+    """A model built partly of other modules (an adapter, a wrapper) is probed; in bfloat16 a wider forward rounds
+    each score differently by a few steps, which is no reason to refuse it."""
+    model = tiny_model("llama", 96, 2, seed=0).to(torch.bfloat16)
+    for layer in model.model.layers:
+        layer.mlp.up_proj = WidthKernelLinear(layer.mlp.up_proj)
+        layer.mlp.up_proj.forward = layer.mlp.up_proj.linear.forward  # a plain product: only the class is other
+    assert not verifier_module.scores_depend_on_width(model)
+    check_greedy_lossless(model, torch.tensor([[4, 5, 6, 4, 5]]), PromptLookupDrafter(), max_new_tokens=16, **GREEDY)
+
+
 def test_a_model_that_places_tokens_by_cache_slot_verifies_trees_as_chains():
     """BART's decoder takes no position_ids and puts fed tokens at the positions after its cache's slots, so a tree
     node fed beside its sibling sat one position too far; it once made a tree's walk accept a wrong token."""
@@ -301,6 +370,18 @@ def test_a_model_whose_generate_reads_a_padded_row_off_its_slots_refuses_masked_
     expected = model.generate(unpadded, max_new_tokens=12, **GREEDY)
     for drafter in (None, PromptLookupDrafter()):
         assert torch.equal(hybrid.generate(model, unpadded, drafter=drafter, max_new_tokens=12, **GREEDY), expected)
+
+
+def test_a_probes_verdict_is_kept_for_later_processes_by_what_decides_it(monkeypatch):
+    """A probe's verdict is read from disk by a later process with the same kind of model, not probed inside its
+    first call; a model with a hook (which can change what it computes) is probed anew."""
+    assert verifier_module.padding_changes_outputs(tiny_git())
+    monkeypatch.setattr(transformers.GitForCausalLM, "generate", None)  # a probe now fails: verdict False
+    assert verifier_module.padding_changes_outputs(tiny_git())  # a new model object: its verdict read from disk
+    hooked = tiny_git()
+    hooked.register_forward_hook(lambda module, args, output: output)
+    assert not verifier_module.padding_changes_outputs(hooked)
+    assert not verifier_module.padding_changes_outputs(tiny_model("llama", 96, 2, seed=0))
 
 
 def test_recurrent_model_is_refused_clearly():
@@ -545,3 +626,100 @@ def test_a_lora_attached_with_peft_gives_peft_models_generate_output():
     assert torch.equal(
         hybrid.generate(peft_model, ids, drafter=PromptLookupDrafter(), max_new_tokens=12, **GREEDY), expected
     )
+
+
+PROMPT = torch.tensor([[4, 5, 6, 4, 5, 6, 4]])
+
+
+def test_a_model_that_keeps_state_in_a_cache_of_its_own_is_refused():
+    """BLT wraps the cache it is passed in an EncoderDecoderCache of its own each call, whose second half holds its
+    local decoder's keys/values: through hybrid's cache they would be lost between forwards. Its sizes live in
+    sub-configs, and hybrid once failed with an AttributeError reading them from the top-level config."""
+    from schedulers import cost_model
+
+    layers = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+    local = dict(layers, cross_attn_k=1, hidden_size_global=32)
+    config = transformers.BltConfig(
+        vocab_size=96,
+        num_hidden_layers=2,
+        cross_attn_k=1,
+        encoder_hash_byte_group_vocab=64,
+        patcher_config=layers,
+        encoder_config=local,
+        decoder_config=local,
+        global_config=layers,
+    )
+    torch.manual_seed(0)
+    model = transformers.BltForCausalLM(config).eval()
+    assert cost_model.device_key(model) and cache_module.mask_problem(model.config.get_text_config()) is None
+    for drafter in (None, PromptLookupDrafter()):
+        with pytest.raises(ValueError, match=r"BltForCausalLM.*cache of its own \(EncoderDecoderCache\).*model\.gen"):
+            hybrid.generate(model, PROMPT, drafter=drafter, max_new_tokens=8, **GREEDY)
+
+
+def test_a_model_that_takes_the_whole_sequence_every_step_is_refused():
+    """XLM's forward takes the whole sequence each step and slices off what its cache holds (its generate appends a
+    mask token to score the next one): fed only the new tokens, it failed inside hybrid's cost measurement."""
+    from schedulers import cost_model
+
+    config = transformers.XLMConfig(vocab_size=96, emb_dim=32, n_layers=2, n_heads=4, causal=True, pad_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.XLMWithLMHeadModel(config).eval()
+    for drafter, said in (
+        (None, r"fails when fed 1 token after 2 cached ones \(RuntimeError"),
+        (PromptLookupDrafter(), r"fed 3 tokens after 2 cached ones, returns scores for 1 of them"),
+    ):
+        with pytest.raises(ValueError, match=rf"XLMWithLMHeadModel cannot be a verifier.*{said}.*model\.generate"):
+            hybrid.generate(model, PROMPT, drafter=drafter, max_new_tokens=8, **GREEDY)
+    with pytest.raises(ValueError, match=r"cannot take several tokens on top of its cache.*with model\.generate"):
+        cost_model.measure_verify_costs(model)
+
+
+def test_a_model_that_takes_one_token_at_a_time_onto_its_cache_decodes_without_drafts():
+    """ProphetNet's decoder asserts one token per forward once it has a cache: the assert once fired inside hybrid's
+    cost measurement. With a drafter it is refused, naming drafter=None; without one it decodes as generate."""
+    from schedulers import cost_model
+
+    config = transformers.ProphetNetConfig(
+        vocab_size=96,
+        hidden_size=32,
+        num_encoder_layers=2,
+        num_decoder_layers=2,
+        num_encoder_attention_heads=4,
+        num_decoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        max_position_embeddings=64,
+        pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = transformers.ProphetNetForCausalLM(config).eval()
+    with pytest.raises(ValueError, match=r"cannot verify drafted tokens.*decoder_input_ids. of length 1.*drafter=None"):
+        hybrid.generate(model, PROMPT, drafter=PromptLookupDrafter(), max_new_tokens=8, **GREEDY)
+    check_greedy_lossless(model, PROMPT, None, max_new_tokens=12, **GREEDY)
+    with pytest.raises(ValueError, match=r"with drafter=None and no scheduler"):
+        cost_model.measure_verify_costs(model)
+
+
+def test_a_model_that_counts_positions_from_a_pad_id_it_lacks_is_served():
+    """XMOD, as RoBERTa, counts positions from pad_token_id when it is not given them; without one its forward fails
+    with a TypeError. The cost measurement once fed it a context without position ids; hybrid passes them wherever
+    it feeds tokens, as generate does."""
+    from schedulers import cost_model
+
+    config = transformers.XmodConfig(
+        vocab_size=96,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        is_decoder=True,
+        default_language="en_XX",
+        pad_token_id=None,
+    )
+    torch.manual_seed(0)
+    model = transformers.XmodForCausalLM(config).eval()
+    assert cost_model.measure_verify_costs(model, sizes=(1, 3), repeats=1)["torch"].keys() == {1, 3}
+    for drafter in (None, PromptLookupDrafter()):
+        check_greedy_lossless(model, PROMPT, drafter, max_new_tokens=12, **GREEDY)

@@ -30,14 +30,18 @@ import inspect
 
 import torch
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
+
+from verifiers.verdicts import probe_tokens, probed
 
 # Attention implementations that take the 4D additive masks built here. Others (flash_attention_2)
 # build their own causal mask, which is right only when every row has the same length.
 MASKED_ATTENTION = ("eager", "sdpa")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 HIDDEN = "hidden"  # the side buffer of the verifier's kept hidden states
+# The width `cache_feed_problem` probes for a forward of several tokens: the pending token and two drafts.
+SEVERAL_TOKENS = 3
 
 
 class CacheMemoryError(MemoryError):
@@ -531,14 +535,67 @@ def mask_problem(text_config) -> str | None:
     Multi-head latent attention expands its cached latent to num_attention_heads heads and then repeats them
     num_attention_heads // num_key_value_heads times more, which fits the queries only when the two head counts are
     equal (as in every released checkpoint); without a mask, SDPA's grouped-query kernel takes the heads as they are."""
-    heads, kv_heads = text_config.num_attention_heads, getattr(text_config, "num_key_value_heads", None)
-    if getattr(text_config, "kv_lora_rank", None) and kv_heads and kv_heads != heads:
+    # Read with getattr: BLT's config keeps its head counts in sub-configs, none at the top.
+    heads = getattr(text_config, "num_attention_heads", None)
+    kv_heads = getattr(text_config, "num_key_value_heads", None)
+    if getattr(text_config, "kv_lora_rank", None) and heads and kv_heads and kv_heads != heads:
         return (
             f"its config has num_key_value_heads={kv_heads} but its latent attention (kv_lora_rank) expands keys and "
             f"values to num_attention_heads={heads} heads, which transformers' attention repeats "
             f"{heads // kv_heads}x more on every forward with a mask (a verify of drafted tokens, rows of different "
             f"lengths): set num_key_value_heads={heads}"
         )
+    return None
+
+
+def keeps_recurrent_state(model) -> bool:
+    """Whether `model` keeps state that cropping cannot roll back: a stateful model (Mamba, RWKV) or linear-attention
+    / Mamba layers among its layer types."""
+    types = getattr(model.config.get_text_config(), "layer_types", None) or []
+    return getattr(model, "_is_stateful", False) or any("linear" in t or "mamba" in t for t in types)
+
+
+def cache_feed_problem(model, width: int) -> str | None:
+    """Why `model`'s forward cannot take `width` new tokens on top of the cache it is passed, step after step, as
+    hybrid feeds them (None if it can): a forward that stores nothing in that cache (Reformer's), keeps state in a
+    cache of its own around it (BLT's), or fails, or scores another number of positions than it was fed, when tokens
+    are cached already (XLM's takes the whole sequence every step and slices off what its cache holds, ProphetNet's
+    asserts one token at a time). The signature cannot tell, so forwards of 2 tokens and then twice `width` tell,
+    once per kind of model and width (`verifiers.verdicts.probed`): without this the first steps, or the cost
+    measurement before them, would fail inside the model."""
+    return probed(model, _feed_problem, width)
+
+
+def _feed_problem(model, width: int) -> str | None:
+    tokens, _ = probe_tokens(model, 2 + 2 * width)
+    # Position ids as the verifier passes them: some forwards cannot derive their own (XMOD's without a pad id)
+    positions = torch.arange(tokens.shape[1], device=model.device)[None]
+    cache = DynamicCache(config=model.config)
+    for start, end in ((0, 2), (2, 2 + width), (2 + width, 2 + 2 * width)):
+        fed = f"{end - start} token{'s' if end - start > 1 else ''}" + (f" after {start} cached ones" if start else "")
+        try:
+            # Through `forward`, past hooks on the model itself: they watch decoding's forwards, and this is none.
+            out = model.forward(
+                input_ids=tokens[:, start:end], position_ids=positions[:, start:end], cache=cache, use_cache=True
+            )
+        except (MemoryError, torch.OutOfMemoryError):  # this machine's limit, not the model's
+            raise
+        except Exception as error:
+            reason = (str(error).strip().splitlines() or [""])[0]
+            return f"its forward fails when fed {fed} ({type(error).__name__}: {reason})"
+        returned = getattr(out, "cache", None)
+        if returned is not None and returned is not cache:
+            return (
+                f"its forward keeps state in a cache of its own ({type(returned).__name__}) around the one it is "
+                "passed, which a forward through hybrid's cache would lose"
+            )
+        if not all(getattr(layer, "is_initialized", True) for layer in cache.layers):  # recurrent layers: no flag
+            return (
+                "its forward did not store its keys/values in the cache hybrid passed it (cache=...): such a model "
+                "recomputes the whole sequence every step"
+            )
+        if out.logits.shape[1] != end - start:
+            return f"its forward, fed {fed}, returns scores for {out.logits.shape[1]} of them"
     return None
 
 

