@@ -69,16 +69,151 @@ SHRINK = dict(
     sliding_window=6,
     rotary_dim=4,
     partial_rotary_factor=0.5,
+    # State-space and recurrent layers (Mamba's, RG-LRU's): their widths follow hidden_size only in part
+    mamba_d_state=8,
+    mamba_n_heads=8,
+    mamba_num_heads=8,
+    mamba_d_head=8,
+    mamba_head_dim=8,
+    mamba_headdim=8,
+    mamba_d_ssm=64,
+    mamba_dt_rank=8,
+    time_step_rank=8,
+    ssm_state_size=8,
+    lru_width=32,
 )
-# What some types need beyond SHRINK for their tiny config to build.
+# Dots3 Note: its indexer sparse enough to select, and its sliding layer with heads and ranks of its own.
+_DOTS3_TEXT = {
+    "per_layer_config": {1: dict(num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=8, qk_nope_head_dim=16)},
+    "index_topk": 4,
+    "index_head_dim": 16,
+    "index_n_heads": 4,
+    "shared_experts_intermediate_size": 32,
+}
+# Inkling 2: its sliding-window heads and relative-position bias at SHRINK's widths.
+_INKLING2_TEXT = dict(
+    unpadded_vocab_size=VOCAB,
+    swa_num_attention_heads=4,
+    swa_num_key_value_heads=2,
+    swa_head_dim=8,
+    sliding_window_size=6,
+    rel_extent=16,
+    d_rel=4,
+)
+# Qwen4 Exp: its indexer (unset by default) and linear-attention heads at SHRINK's widths.
+_QWEN4_EXP_TEXT = dict(
+    indexer_n_heads=4,
+    indexer_kv_heads=1,
+    indexer_head_dim=8,
+    indexer_budget=8,
+    indexer_compress_ratio=2,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    hc_lowrank=8,
+)
+# What some types need beyond SHRINK for their tiny config to build ("text_config.x": a sub-config's field). A
+# hybrid model (bamba, jamba, nemotron_h, zamba...) gets one recurrent and one attention layer: the defaults' first
+# two are both recurrent.
 OVERRIDES = {
+    "axk1": dict(n_group=1, topk_group=1),  # expert groups that divide the 4 experts
+    "bamba": dict(attn_layer_indices=[1]),
+    "blt": {
+        "num_hidden_layers": 2,  # what its cache is built for
+        "encoder_hash_byte_group_vocab": 64,
+        # One patch state per hidden_size: the global transformer's width, without a projection
+        "cross_attn_k": 1,
+        "encoder_config.cross_attn_k": 1,
+        "decoder_config.cross_attn_k": 1,
+        "encoder_config.hidden_size_global": 32,
+        "decoder_config.hidden_size_global": 32,
+    },
+    # Per-layer-type rope (multimodal sections that fit head_dim 8); its full-attention layers without rope
+    "cohere_compass_text": dict(
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={
+            "sliding_attention": dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 1, 1]),
+            "full_attention": None,
+        },
+    ),
+    # rope_theta is read but unused; clip_qkv=None reaches clamp(None, None), so the released 8
+    "dbrx": {"attn_config.rope_theta": 10000.0, "attn_config.clip_qkv": 8, "ffn_config.ffn_hidden_size": 64},
+    # One input, one looped (twice, each loop with cache layers of its own) and one output layer
+    "dory": dict(
+        num_hidden_layers=3,
+        n_input_layers=1,
+        n_recurrent_layers=1,
+        n_output_layers=1,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+    ),
     "dots1": dict(n_shared_experts=1, layer_types=["full_attention", "full_attention"]),
+    "dots3_note": {f"text_config.{name}": value for name, value in _DOTS3_TEXT.items()},
+    "dots3_note_text": _DOTS3_TEXT,
+    # Its third layer reuses the cache of the last earlier layer of its kind; per-layer widths, one per layer
+    "gemma3n_text": dict(
+        num_hidden_layers=3,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        num_kv_shared_layers=1,
+        intermediate_size=[64] * 3,
+        activation_sparsity_pattern=[0.95, 0.0, 0.0],
+        vocab_size_per_layer_input=VOCAB,
+        hidden_size_per_layer_input=8,
+        laurel_rank=8,
+    ),
+    "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention"], shared_intermediate_size=32),
     "hrm_text": dict(num_layers_per_stack=1, H_cycles=1, L_cycles=1, L_bp_cycles=[1]),
+    # Its middle layer looped twice, each pass with cache layers of its own
+    "inkling2_loop_text": dict(
+        _INKLING2_TEXT,
+        num_hidden_layers=3,
+        layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding"],
+        n_layers_per_attn_res_block=1,
+        loop_layer_index_start=1,
+        loop_layer_index_end=2,
+        loop_num_passes=2,
+        loop_gate_rank=8,
+    ),
+    "inkling2_text": _INKLING2_TEXT,
+    "jamba": dict(attn_layer_period=2, attn_layer_offset=1),
     "lfm2_moe": dict(layer_types=["full_attention", "full_attention"], num_dense_layers=1),
     "longcat_flash": dict(
         qk_head_dim=16, ffn_hidden_size=64, expert_ffn_hidden_size=32, zero_expert_num=2, moe_topk=2, num_layers=1
     ),
+    "mamba2": dict(num_heads=8, state_size=16),  # num_heads * head_dim = expand * hidden_size
     "modernbert-decoder": dict(pad_token_id=0),
+    "nemotron_h": dict(layers_block_type=["linear_attention", "full_attention"]),
+    # Its positions count from pad_token_id (None: none to count from)
+    "prophetnet": dict(pad_token_id=0, num_decoder_layers=2, num_encoder_layers=2, num_decoder_attention_heads=4),
+    "qwen4_exp": {f"text_config.{name}": value for name, value in _QWEN4_EXP_TEXT.items()},
+    "qwen4_exp_text": _QWEN4_EXP_TEXT,
+    "recurrent_gemma": dict(block_types=["recurrent", "attention"]),
+    # Its hash rotations seeded (else drawn afresh each forward); axial position shapes that fit 256 positions
+    "reformer": dict(
+        attn_layers=["local", "lsh"],
+        hash_seed=0,
+        attention_head_size=8,
+        axial_pos_embds_dim=(16, 16),
+        axial_pos_shape=(16, 16),
+        feed_forward_size=64,
+    ),
+    "rwkv": dict(attention_hidden_size=32),
+    # Causal, as its CLM checkpoints are; the pad id marks the row lengths it reads from input_ids
+    "xlm": dict(causal=True, pad_token_id=0),
+    # Its query, key and value widths are rounded up to multiples of 64 (in its cache, not in its layers)
+    "xlstm": dict(hidden_size=64, embedding_dim=64, num_blocks=2, num_heads=4, qk_dim_factor=1.0),
+    # Its adapters are per language; its positions count from pad_token_id, as RoBERTa's do
+    "xmod": dict(default_language="en_XX", pad_token_id=0),
+    "zamba": dict(layers_block_type=["linear_attention", "hybrid"], attention_hidden_size=64, attention_head_dim=16),
+    "zamba2": dict(
+        layers_block_type=["linear_attention", "hybrid"],
+        hybrid_layer_ids=[1],
+        attention_hidden_size=64,
+        attention_head_dim=16,
+        kv_channels=8,
+        num_query_groups=4,
+        adapter_rank=8,
+    ),
 }
 TIME_LIMIT_S = 240
 MEMORY_LIMIT_BYTES = 12 * 2**30
@@ -109,9 +244,13 @@ def tiny_from_defaults(model_type: str):
     for part in [config] if text is config else [config, text]:  # a multimodal model's own and its text config
         if getattr(part, "layer_types", None) is not None:  # two layers, of both kinds where there are two
             kinds = list(dict.fromkeys(part.layer_types))
-            part.layer_types = (kinds * 2)[:2]
+            try:
+                part.layer_types = (kinds * 2)[:2]
+            except AttributeError:  # derived from other fields (Mamba's, Jamba's): those set it
+                pass
         if part.to_dict().get("kv_lora_rank"):
-            part.num_key_value_heads = part.num_attention_heads  # as released latent-attention checkpoints have
+            # As released latent-attention checkpoints have (read from to_dict: a per-layer field's global value)
+            part.num_key_value_heads = part.to_dict()["num_attention_heads"]
         if hasattr(part, "is_decoder"):
             part.is_decoder = True  # a BERT-like head is a causal LM only as a decoder (without: refused)
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
@@ -122,7 +261,11 @@ def tiny_from_defaults(model_type: str):
                 pass
         part.tie_word_embeddings = False
     for name, value in OVERRIDES.get(model_type, {}).items():
-        setattr(config, name, value)
+        part = config
+        *path, name = name.split(".")  # "text_config.x": a sub-config's field
+        for sub in path:
+            part = getattr(part, sub)
+        setattr(part, name, value)
     with torch.random.fork_rng():
         torch.manual_seed(0)
         # As from_pretrained builds it: for a multimodal config some types give the text model alone (Llama 4,

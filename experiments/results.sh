@@ -25,8 +25,11 @@ for set in mt-bench heldout; do  # sampling at T = 0.7 under one seed per prompt
 done
 # machine-45ms/shipped-block/bench-sampling-SET: the same with the lookup and store alone beside the default
 # (--methods plain,hybrid-default,hybrid-match-store); its bench-SET is the branch loop below on all four sets.
-# Which causal LM types of the installed transformers hybrid serves (tiny random models, no timing; 20 minutes).
+# Which causal LM types of the installed transformers hybrid serves (tiny random models, no timing; about 25 minutes).
 python -m experiments.architectures --out runs/architectures
+# Which quantization schemes hybrid serves on the embedded verifier (those whose library is installed:
+# pip install torchao bitsandbytes); no timing.
+python -m experiments.quantized --num-prompts 3 --max-new-tokens 48 --out runs/quantized
 mkdir -p runs/first-call && python -m experiments.first_call --dataset mt-bench --num-prompts 3 --max-new-tokens 128 \
     --warm-prompts 3 --out runs/first-call | tee runs/first-call/table.txt
 mkdir -p runs/online-store && python -m experiments.online_store --model default --num-prompts 4 --max-new-tokens 128 \

@@ -9,6 +9,7 @@ import torch
 from schedulers.adaptive import default_scheduler
 from schedulers.cost_model import prepare_kernels
 from verifiers.embedded import load_verifier
+from verifiers.verifier import settle_probes
 
 # The shipped block-diffusion drafter for this verifier: rebuilt by `python -m drafters.training.train`.
 DRAFTER_DIR = Path(__file__).resolve().parent.parent / "drafters" / "checkpoints" / "smollm2-135m-block"
@@ -58,12 +59,14 @@ def load_default(device: str | torch.device = "cpu", dtype: torch.dtype = torch.
 
     float32 is the default because on CPUs it is faster than bfloat16 for this model. The default scheduler's
     one-time verify-cost probe (about 25 s on a 2-core CPU, then cached on disk) runs here, not inside the first
-    generate call, and so does what the kernels it chose need made first (`schedulers.cost_model.prepare_kernels`).
+    generate call, and so does what the kernels it chose need made first (`schedulers.cost_model.prepare_kernels`)
+    and every probe of the model a call may ask (`verifiers.verifier.settle_probes`; kept on disk too).
     """
     model, tokenizer = load_verifier(device, dtype, device_map)
     drafter = default_drafter(model, tokenizer)
     default_scheduler(drafter, model).reset(drafter, model)
     prepare_kernels(model)
+    settle_probes(model)
     return model, tokenizer, drafter
 
 

@@ -263,26 +263,27 @@ def test_a_model_whose_layers_take_outlier_columns_across_a_forward_is_refused()
 
 class WidthKernelLinear(torch.nn.Module):
     """A product whose kernel depends on the forward's width, as some int8 products of activations quantized on the
-    fly do: one token exactly, several after rounding each token's row to 15 steps of its own range."""
+    fly do: at the widths `rounds_at` names, after rounding each token's row to 15 steps of its own range."""
 
-    def __init__(self, linear: torch.nn.Linear):
+    def __init__(self, linear: torch.nn.Linear, rounds_at=lambda width: width > 1):
         super().__init__()
-        self.linear = linear
+        self.linear, self.rounds_at = linear, rounds_at
 
     def forward(self, x):
-        if x.shape[-2] > 1:
+        if self.rounds_at(x.shape[-2]):
             step = x.abs().amax(-1, keepdim=True).clamp_min(1e-8) / 15
             x = (x / step).round() * step
         return self.linear(x)
 
 
-def test_a_model_whose_scores_depend_on_its_forwards_width_is_refused():
+@pytest.mark.parametrize("rounds_at", [lambda width: width > 1, lambda width: width == 11], ids=["wide", "one-width"])
+def test_a_model_whose_scores_depend_on_its_forwards_width_is_refused(rounds_at):
     """torchao's int8 products of per-token quantized activations score a token other numbers in a forward of several
-    tokens than in one of one, on a CPU: on SmolLM2 hybrid gave text other than `generate`'s, each token's output
-    still its own row's."""
+    tokens than in one of one on a CPU, and bitsandbytes' at a few widths only: on SmolLM2 hybrid gave text other
+    than `generate`'s with either, each token's output still its own row's."""
     model = tiny_model("llama", 96, 2, seed=0)
     for layer in model.model.layers:
-        layer.mlp.up_proj = WidthKernelLinear(layer.mlp.up_proj)
+        layer.mlp.up_proj = WidthKernelLinear(layer.mlp.up_proj, rounds_at)
     for drafter in (None, PromptLookupDrafter()):
         with pytest.raises(TypeError, match=r"depend on how many tokens its forward feeds"):
             hybrid.generate(model, torch.tensor([[4, 5, 6, 4, 5]]), drafter=drafter, max_new_tokens=8, **GREEDY)

@@ -125,12 +125,21 @@ def padding_changes_outputs(model) -> bool:
 
 def scores_depend_on_width(model) -> bool:
     """Whether `model`'s scores for a token move with the number of tokens its forward feeds by more than the
-    rounding of the dtype it computes in, as torchao's int8 products of per-token quantized activations do on a
-    CPU: a verify of k + 1 tokens then scores other numbers than
-    `generate`'s one-token steps. A model built of torch's and transformers' own modules with plain parameters
-    rounds by width only as its dtype does; any other is told by cached forwards of 2 to 8 tokens against the same
-    tokens fed one by one, once per kind of model (`verifiers.verdicts.probed`)."""
+    rounding of the dtype it computes in, as torchao's and bitsandbytes' int8 products of activations quantized per
+    token do on a CPU: a prefill or a verify then scores other numbers than `generate`'s. A model built of torch's and transformers' own modules with plain parameters
+    rounds by width only as its dtype does; any other is told by forwards of every prefix of 16 tokens against the
+    whole, and cached forwards of 2 to 8 tokens against the same tokens fed one by one, once per kind of model
+    (`verifiers.verdicts.probed`)."""
     return not built_of_own_modules(model) and probed(model, _width_changes_scores, failed=False)
+
+
+def settle_probes(model) -> None:
+    """Run now every probe a call may ask of `model` (each keeps its verdict, `verifiers.verdicts.probed`): a loader
+    calls it so that no first call pays for them."""
+    check_causal_lm(model)
+    padding_changes_outputs(model)
+    for width in (1, SEVERAL_TOKENS):
+        cache_feed_problem(model, width)
 
 
 def _relative_difference(reference: torch.Tensor, other: torch.Tensor) -> float:
@@ -165,8 +174,18 @@ def _changes_earlier_outputs(model) -> bool:
 
 
 def _width_changes_scores(model) -> bool:
-    tokens, _ = probe_tokens(model, 10)
+    tokens, _ = probe_tokens(model, 16)
+    limit = max(_LOGITS_DIFFER, 8 * torch.finfo(least_precise_dtype(model)).eps)  # several rounding steps
 
+    def differs(reference: torch.Tensor, other: torch.Tensor) -> bool:
+        return _relative_difference(reference, other) > limit
+
+    # A prefill: each prefix against the whole (some kernels change at a particular width, not at every one)
+    whole = model(tokens, use_cache=False).logits[0]
+    if any(differs(whole[:n], model(tokens[:, :n], use_cache=False).logits[0]) for n in range(1, 16)):
+        return True
+
+    # A verify: tokens fed together on top of a cache against the same fed one by one, as `generate` decodes
     def after_prefill(fed: torch.Tensor) -> torch.Tensor:
         cache = DynamicCache(config=model.config)
         model(tokens[:, :2], cache=cache, use_cache=True)
@@ -175,8 +194,7 @@ def _width_changes_scores(model) -> bool:
     cache = DynamicCache(config=model.config)
     model(tokens[:, :2], cache=cache, use_cache=True)
     one_by_one = torch.cat([model(tokens[:, i : i + 1], cache=cache, use_cache=True).logits[0] for i in range(2, 10)])
-    limit = max(_LOGITS_DIFFER, 8 * torch.finfo(least_precise_dtype(model)).eps)  # several rounding steps
-    return any(_relative_difference(one_by_one[:n], after_prefill(tokens[:, 2 : 2 + n])) > limit for n in range(2, 9))
+    return any(differs(one_by_one[:n], after_prefill(tokens[:, 2 : 2 + n])) for n in range(2, 9))
 
 
 def _padded_logits_differ(model) -> bool:
