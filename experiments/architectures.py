@@ -9,7 +9,7 @@ the verifier's own continuation, a token tree around it and an adversarial draft
 left-padded batch of two prompts; and the static path where the model takes per-row masks. The verdict is
 `equal` (every check gave `generate`'s tokens, up to the near-tie and boundary-draw contracts of
 `hybrid.testing`), `refused` (hybrid raised an error that names why; a refused batch or static path is noted
-beside an `equal`), `differs` (a silent difference: a bug), `hybrid error` (hybrid failed inside a check) or
+beside an `equal`), `differs` (a silent difference: a bug), `hybrid error` (hybrid failed inside a check, an assert inside the model included) or
 `not built` (the tiny config, or `generate` itself, failed: no verdict on hybrid).
 
 Each type runs in a process of its own under a time and memory limit; OUT/records.jsonl keeps each verdict as it
@@ -24,6 +24,7 @@ import resource
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 VOCAB = 96
@@ -326,6 +327,8 @@ def judge(model_type: str) -> dict:
         try:
             check()
         except AssertionError as error:
+            if not _a_checks_finding(error):  # an assert inside the model or hybrid: it failed, no verdict on output
+                return {"verdict": "hybrid error", "detail": f"{name}: AssertionError: {error}"}
             differs.append(f"{name}: {str(error).splitlines()[0]}")
         except (ValueError, TypeError) as error:
             if name == next(iter(checks)):  # the first check refused: the model is refused
@@ -340,12 +343,21 @@ def judge(model_type: str) -> dict:
                 model, prompt, OracleDrafter(perturbed), hybrid_kwargs={"cache_implementation": "static"}, **settings
             )
         except AssertionError as error:
+            if not _a_checks_finding(error):
+                return {"verdict": "hybrid error", "detail": f"static: AssertionError: {error}"}
             differs.append(f"static: {str(error).splitlines()[0]}")
     else:
         notes.append(f"no static path: {no_static}")
     if differs:
         return {"verdict": "differs", "detail": "; ".join(differs)}
     return {"verdict": "equal", "detail": "; ".join(notes)}
+
+
+def _a_checks_finding(error: AssertionError) -> bool:
+    """Whether `error` was raised by a check of this survey or of `hybrid.testing` (outputs that differ), not by an
+    assert inside the model or the engine."""
+    frames = traceback.extract_tb(error.__traceback__)
+    return bool(frames) and Path(frames[-1].filename).name in ("testing.py", "architectures.py")
 
 
 def _check_equal(output, reference) -> None:
