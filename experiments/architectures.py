@@ -9,8 +9,9 @@ the verifier's own continuation, a token tree around it and an adversarial draft
 left-padded batch of two prompts; and the static path where the model takes per-row masks. The verdict is
 `equal` (every check gave `generate`'s tokens, up to the near-tie and boundary-draw contracts of
 `hybrid.testing`), `refused` (hybrid raised an error that names why; a refused batch or static path is noted
-beside an `equal`), `differs` (a silent difference: a bug), `hybrid error` (hybrid failed inside a check, an assert inside the model included) or
-`not built` (the tiny config, or `generate` itself, failed: no verdict on hybrid).
+beside an `equal`), `differs` (a silent difference: a bug), `hybrid error` (hybrid failed inside a check, an
+assert inside the model included) or `not built` (the tiny config, or `generate` itself, failed: no verdict on
+hybrid).
 
 Each type runs in a process of its own under a time and memory limit; OUT/records.jsonl keeps each verdict as it
 comes, so a rerun with the same OUT skips the types it has. It prints a table and writes OUT/table.md.
