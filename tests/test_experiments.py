@@ -373,3 +373,17 @@ def test_architectures_refuses_an_unknown_type(tmp_path):
 
     with pytest.raises(SystemExit):
         architectures.main(["--types", "llama,no_such_model", "--out", str(tmp_path)])
+
+
+@pytest.mark.slow
+def test_quantized_judges_each_scheme(tmp_path):
+    """`experiments.quantized` judges every scheme: torch's own dynamic quantization is refused by name, and a scheme
+    whose library is missing says so; none differs from `generate`."""
+    from experiments import quantized
+
+    quantized.main(["--num-prompts", "1", "--max-new-tokens", "8", "--out", str(tmp_path)])
+    rows = (tmp_path / "table.md").read_text().splitlines()[2:]
+    verdicts = {row.split(" | ")[0].strip("| "): row.split(" | ")[1] for row in rows}
+    assert list(verdicts) == list(quantized.SCHEMES)
+    assert verdicts["torch.ao dynamic int8"] == "refused"
+    assert set(verdicts.values()) <= {"equal", "refused", "not installed"}
