@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from verifiers.cache import SEVERAL_TOKENS, cache_feed_problem, learned_position_limit
+from verifiers.cache import cache_feed_refusal, learned_position_limit
 from verifiers.embedded import measurements_dir
 from verifiers.kernels import KERNELS, chosen_kernels, cpu_linears, force_kernel, prepare_linears
 
@@ -93,14 +93,9 @@ def measure_verify_costs(model, sizes=PROBE_SIZES, repeats: int = 3, kernels=KER
 
 
 def _measure_verify_costs(model, sizes, repeats: int, kernels) -> dict[str, dict[int, float]]:
-    problem = cache_feed_problem(model, SEVERAL_TOKENS)
-    if problem:
-        plain = cache_feed_problem(model, 1) is None
-        raise ValueError(
-            f"{type(model).__name__} cannot take several tokens on top of its cache, so no verify of drafted tokens "
-            f"can be timed or run: {problem}. Decode it with "
-            + ("drafter=None and no scheduler (one token per forward)" if plain else "model.generate")
-        )
+    refusal = cache_feed_refusal(model, several=True)  # what it times is verifies of drafted tokens
+    if refusal:
+        raise ValueError(refusal)
     vocab = model.config.get_text_config().vocab_size
     limit = learned_position_limit(model)  # a learned position table bounds context + m
     sizes = tuple(m for m in sizes if limit is None or m < limit)

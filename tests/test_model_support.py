@@ -249,7 +249,7 @@ class OutlierColumnsLinear(torch.nn.Module):
 def test_a_model_whose_layers_take_outlier_columns_across_a_forward_is_refused():
     """bitsandbytes' LLM.int8 (its default llm_int8_threshold=6) takes a column out of the int8 product wherever any
     of the forward's tokens exceeds the threshold: a token's output in a verify depends on the drafts after it. On
-    SmolLM2 it gave text other than `generate`'s, and no token of the vocabulary moved the columns in the probe."""
+    SmolLM2 no other token of the vocabulary moves the columns; one large input feature does."""
     model = tiny_model("llama", 96, 2, seed=0)
     for layer in model.model.layers:  # the products whose inputs are normalized: ordinary tokens stay under 4.5
         for parent, name in [(layer.self_attn, n) for n in ("q_proj", "k_proj", "v_proj")] + [
@@ -279,8 +279,8 @@ class WidthKernelLinear(torch.nn.Module):
 @pytest.mark.parametrize("rounds_at", [lambda width: width > 1, lambda width: width == 11], ids=["wide", "one-width"])
 def test_a_model_whose_scores_depend_on_its_forwards_width_is_refused(rounds_at):
     """torchao's int8 products of per-token quantized activations score a token other numbers in a forward of several
-    tokens than in one of one on a CPU, and bitsandbytes' at a few widths only: on SmolLM2 hybrid gave text other
-    than `generate`'s with either, each token's output still its own row's."""
+    tokens than in one of one on a CPU, and bitsandbytes' at a few widths only: each token's output is still its own
+    row's, yet a verify scores other numbers than `generate`'s steps."""
     model = tiny_model("llama", 96, 2, seed=0)
     for layer in model.model.layers:
         layer.mlp.up_proj = WidthKernelLinear(layer.mlp.up_proj, rounds_at)
@@ -635,7 +635,7 @@ PROMPT = torch.tensor([[4, 5, 6, 4, 5, 6, 4]])
 def test_a_model_that_keeps_state_in_a_cache_of_its_own_is_refused():
     """BLT wraps the cache it is passed in an EncoderDecoderCache of its own each call, whose second half holds its
     local decoder's keys/values: through hybrid's cache they would be lost between forwards. Its sizes live in
-    sub-configs, and hybrid once failed with an AttributeError reading them from the top-level config."""
+    sub-configs, none in the top-level config that the cost table's key and the mask check read."""
     from schedulers import cost_model
 
     layers = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
@@ -660,7 +660,8 @@ def test_a_model_that_keeps_state_in_a_cache_of_its_own_is_refused():
 
 def test_a_model_that_takes_the_whole_sequence_every_step_is_refused():
     """XLM's forward takes the whole sequence each step and slices off what its cache holds (its generate appends a
-    mask token to score the next one): fed only the new tokens, it failed inside hybrid's cost measurement."""
+    mask token to score the next one): fed only the new tokens it fails, so it is refused before any forward of
+    hybrid's, the cost measurement's included."""
     from schedulers import cost_model
 
     config = transformers.XLMConfig(vocab_size=96, emb_dim=32, n_layers=2, n_heads=4, causal=True, pad_token_id=0)
@@ -672,13 +673,13 @@ def test_a_model_that_takes_the_whole_sequence_every_step_is_refused():
     ):
         with pytest.raises(ValueError, match=rf"XLMWithLMHeadModel cannot be a verifier.*{said}.*model\.generate"):
             hybrid.generate(model, PROMPT, drafter=drafter, max_new_tokens=8, **GREEDY)
-    with pytest.raises(ValueError, match=r"cannot take several tokens on top of its cache.*with model\.generate"):
+    with pytest.raises(ValueError, match=r"XLMWithLMHeadModel cannot be a verifier.*fed 3 tokens after 2 cached.*gen"):
         cost_model.measure_verify_costs(model)
 
 
 def test_a_model_that_takes_one_token_at_a_time_onto_its_cache_decodes_without_drafts():
-    """ProphetNet's decoder asserts one token per forward once it has a cache: the assert once fired inside hybrid's
-    cost measurement. With a drafter it is refused, naming drafter=None; without one it decodes as generate."""
+    """ProphetNet's decoder asserts one token per forward once it has a cache. With a drafter it is refused, naming
+    drafter=None, before any verify or cost measurement; without one it decodes as generate."""
     from schedulers import cost_model
 
     config = transformers.ProphetNetConfig(
@@ -698,14 +699,14 @@ def test_a_model_that_takes_one_token_at_a_time_onto_its_cache_decodes_without_d
     with pytest.raises(ValueError, match=r"cannot verify drafted tokens.*decoder_input_ids. of length 1.*drafter=None"):
         hybrid.generate(model, PROMPT, drafter=PromptLookupDrafter(), max_new_tokens=8, **GREEDY)
     check_greedy_lossless(model, PROMPT, None, max_new_tokens=12, **GREEDY)
-    with pytest.raises(ValueError, match=r"with drafter=None and no scheduler"):
+    with pytest.raises(ValueError, match=r"cannot verify drafted tokens.*decoder_input_ids. of length 1.*drafter=None"):
         cost_model.measure_verify_costs(model)
 
 
 def test_a_model_that_counts_positions_from_a_pad_id_it_lacks_is_served():
     """XMOD, as RoBERTa, counts positions from pad_token_id when it is not given them; without one its forward fails
-    with a TypeError. The cost measurement once fed it a context without position ids; hybrid passes them wherever
-    it feeds tokens, as generate does."""
+    with a TypeError. hybrid passes position ids wherever it feeds tokens, the cost measurement's context included,
+    as generate does."""
     from schedulers import cost_model
 
     config = transformers.XmodConfig(

@@ -566,6 +566,24 @@ def cache_feed_problem(model, width: int) -> str | None:
     return probed(model, _feed_problem, width)
 
 
+def cache_feed_refusal(model, several: bool, role: str = "verifier") -> str | None:
+    """Why `model` cannot serve as `role` by feeding its cache `several` tokens a forward (a verify, a drafter's
+    catch-up) or one (a verifier without drafts, as `generate`), as a refusal naming the fix; None if it can."""
+    problem = cache_feed_problem(model, SEVERAL_TOKENS if several else 1)
+    if problem is None:
+        return None
+    if several and role == "verifier" and cache_feed_problem(model, 1) is None:
+        return (
+            f"{type(model).__name__} cannot verify drafted tokens, which a verify feeds (the pending token and its "
+            f"drafts) in one forward on top of the cache: {problem}. Pass drafter=None (one token per forward, as "
+            "model.generate decodes), or decode with model.generate"
+        )
+    return (
+        f"{type(model).__name__} cannot be a {role}, whose forward must take each step's new tokens on top of the "
+        f"cache of the ones before: {problem}. Decode it with model.generate"
+    )
+
+
 def _feed_problem(model, width: int) -> str | None:
     tokens, _ = probe_tokens(model, 2 + 2 * width)
     # Position ids as the verifier passes them: some forwards cannot derive their own (XMOD's without a pad id)

@@ -19,6 +19,7 @@ from verifiers.cache import (
     SharedCache,
     attention_pattern,
     cache_feed_problem,
+    cache_feed_refusal,
     cache_layer_sources,
     keeps_recurrent_state,
     learned_position_limit,
@@ -101,8 +102,8 @@ def attends_ahead(model) -> bool:
     activation scale for all of a forward's tokens) or bitsandbytes' LLM.int8 with outlier columns (taken wherever
     any of a forward's tokens exceeds the threshold). Self-attention modules that all declare is_causal=True, in a
     model built of torch's and transformers' own modules with plain parameters, settle it; otherwise forwards of
-    four tokens tell, once per kind of model (`verifiers.verdicts.probed`): the earlier outputs must not move when the last token
-    changes, nor when its input is one large feature."""
+    four tokens tell, once per kind of model (`verifiers.verdicts.probed`): the earlier outputs must not move when
+    the last token changes, nor when its input is one large feature."""
     declared = [
         module.is_causal
         for module in model.modules()
@@ -126,10 +127,10 @@ def padding_changes_outputs(model) -> bool:
 def scores_depend_on_width(model) -> bool:
     """Whether `model`'s scores for a token move with the number of tokens its forward feeds by more than the
     rounding of the dtype it computes in, as torchao's and bitsandbytes' int8 products of activations quantized per
-    token do on a CPU: a prefill or a verify then scores other numbers than `generate`'s. A model built of torch's and transformers' own modules with plain parameters
-    rounds by width only as its dtype does; any other is told by forwards of every prefix of 16 tokens against the
-    whole, and cached forwards of 2 to 8 tokens against the same tokens fed one by one, once per kind of model
-    (`verifiers.verdicts.probed`)."""
+    token do on a CPU: a prefill or a verify then scores other numbers than `generate`'s. A model built of torch's
+    and transformers' own modules with plain parameters rounds by width only as its dtype does; any other is told by
+    forwards of every prefix of 16 tokens against the whole, and cached forwards of 2 to 8 tokens against the same
+    tokens fed one by one, once per kind of model (`verifiers.verdicts.probed`)."""
     return not built_of_own_modules(model) and probed(model, _width_changes_scores, failed=False)
 
 
@@ -186,15 +187,15 @@ def _width_changes_scores(model) -> bool:
         return True
 
     # A verify: tokens fed together on top of a cache against the same fed one by one, as `generate` decodes
-    def after_prefill(fed: torch.Tensor) -> torch.Tensor:
+    def prefilled() -> DynamicCache:
         cache = DynamicCache(config=model.config)
         model(tokens[:, :2], cache=cache, use_cache=True)
-        return model(fed, cache=cache, use_cache=True).logits[0]
+        return cache
 
-    cache = DynamicCache(config=model.config)
-    model(tokens[:, :2], cache=cache, use_cache=True)
+    cache = prefilled()
     one_by_one = torch.cat([model(tokens[:, i : i + 1], cache=cache, use_cache=True).logits[0] for i in range(2, 10)])
-    return any(differs(one_by_one[:n], after_prefill(tokens[:, 2 : 2 + n])) for n in range(2, 9))
+    together = (model(tokens[:, 2 : 2 + n], cache=prefilled(), use_cache=True).logits[0] for n in range(2, 9))
+    return any(differs(one_by_one[: len(scores)], scores) for scores in together)
 
 
 def _padded_logits_differ(model) -> bool:
@@ -279,18 +280,9 @@ class Verifier:
                 f"{type(model).__name__} cannot be a {role} that scores several tokens per forward: {problem}"
                 + (f", or {fix}" if fix else "")
             )
-        problem = cache_feed_problem(model, SEVERAL_TOKENS if several else 1)
-        if problem and several and role == "verifier" and cache_feed_problem(model, 1) is None:
-            raise ValueError(
-                f"{type(model).__name__} cannot verify drafted tokens, which a verify feeds (the pending token and "
-                f"its drafts) in one forward on top of the cache: {problem}. Pass drafter=None (one token per "
-                "forward, as model.generate decodes), or decode with model.generate"
-            )
-        if problem:
-            raise ValueError(
-                f"{type(model).__name__} cannot be a {role}, whose forward must take each step's new tokens on top "
-                f"of the cache of the ones before: {problem}. Decode it with model.generate"
-            )
+        refusal = cache_feed_refusal(model, several, role)
+        if refusal:
+            raise ValueError(refusal)
         self.model = model
         self.hidden_layers = tuple(hidden_layers)
         self.hidden_width = len(self.hidden_layers) * text.hidden_size if self.hidden_layers else 0
