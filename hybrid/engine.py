@@ -6,7 +6,9 @@ into the child equal to the verifier's choice, and the cache keeps the walked pa
 drafter is `NoDrafter`, which proposes nothing: plain decoding is the same loop.
 A batch is one forward per step over every unfinished row: each row drafts, is verified and accepts
 on its own (rows accept different numbers of tokens; the cache keeps one length per row), exactly as
-it would alone; rows that finish leave the batch.
+it would alone; rows that finish leave the batch. Where `generate` pads a stopped row (it has an EOS criterion), a
+row finishes when its criteria fire; where it does not, every row decodes on to the length at which the last row
+stopped, as in `generate`, whose stopped rows keep appending their own tokens until the whole batch has stopped.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ class DecodeResult:
 class _Row:
     """One sequence: its growing ids and everything `generate` records for each emitted token."""
 
-    def __init__(self, input_ids, mask, processors, stopping_criteria, streamer, keep_scores, keep_logits):
+    def __init__(self, input_ids, mask, processors, stopping_criteria, streamer, keep_scores, keep_logits, end, alone):
         self.ids = input_ids  # [1, n], padding included, as `generate` returns it
         self.prompt_len = input_ids.shape[1]
         self.mask = mask  # [n] the prompt's attention mask (None: every token counts)
@@ -50,6 +52,9 @@ class _Row:
         self.streamer = streamer
         self.scores = () if keep_scores else None
         self.logits = () if keep_logits else None
+        self.end = end  # the length at which the row finishes: max_length, or where the batch stops (`decode`)
+        self.stopped_at: int | None = None  # the length at which its stopping criteria first fired
+        self.stops_alone = alone  # it finishes when its criteria fire (else at the batch's end, `decode`)
         self.finished = False
         self.stats = GenerationStats()
         self.ctx: DraftContext | None = None
@@ -65,8 +70,31 @@ class _Row:
             self.scores += (scores[None],)
         if self.logits is not None:
             self.logits += (logits[None],)
-        # As in `generate`: criteria see the sequence and the scores so far after every token.
-        self.finished = bool(self.stopping_criteria(self.ids, self.scores).any())
+        # As in `generate`: criteria see the sequence and the scores so far after every token, until they fire.
+        if self.stopped_at is None and bool(self.stopping_criteria(self.ids, self.scores).any()):
+            self.stopped_at = self.ids.shape[1]
+        self.finished = self.ids.shape[1] >= self.end or (self.stops_alone and self.stopped_at is not None)
+
+    def cut(self, end: int) -> None:
+        """Finish at length `end`, dropping what the row decoded beyond it (and those tokens from its stats)."""
+        self.end, self.finished = end, True
+        extra = self.ids.shape[1] - end
+        if extra <= 0:
+            return
+        self.ids = self.ids[:, :end]
+        if self.scores is not None:
+            self.scores = self.scores[:-extra]
+        if self.logits is not None:
+            self.logits = self.logits[:-extra]
+        stats = self.stats
+        while extra:  # the last steps emitted them: they keep what is left, the accepted nodes within it
+            dropped = min(extra, stats.emitted[-1])
+            extra -= dropped
+            stats.emitted[-1] -= dropped
+            stats.accepted[-1] = min(stats.accepted[-1], stats.emitted[-1])
+            if stats.emitted[-1] == 0:
+                for steps in (stats.drafted, stats.accepted, stats.emitted, stats.passes):
+                    steps.pop()
 
     def unmasked_ids(self) -> torch.Tensor:
         """[1, n' + new]: the committed sequence without the prompt's masked tokens, as the verifier attends to it.
@@ -93,8 +121,12 @@ def decode(
     streamer=None,
     keep_scores: bool = False,
     keep_logits: bool = False,
+    pad_stopped: bool = True,
 ) -> DecodeResult:
     """Decode every prompt (input_ids [1, n], its attention mask [n] or None, its processors) to the end.
+
+    pad_stopped: a row finishes when its stopping criteria fire (`generate` pads it: it has an EOS criterion);
+    False: every row decodes on to the length at which the last row's criteria fired.
 
     acceptance: "match" keeps a drafted token iff it equals the verifier's own choice, made exactly as `generate`
     makes it (argmax, or one multinomial draw from the caller's RNG); "rejection" is speculative sampling's
@@ -103,8 +135,10 @@ def decode(
     clock = Stopwatch()
     drafter = drafter or NoDrafter()
     max_length = math.ceil(max_length)  # `generate` stops at the first length >= max_length, a float included
+    alone = pad_stopped or len(prompts) == 1
     rows = [
-        _Row(ids, mask, procs, stopping_criteria, streamer, keep_scores, keep_logits) for ids, mask, procs in prompts
+        _Row(ids, mask, procs, stopping_criteria, streamer, keep_scores, keep_logits, max_length, alone)
+        for ids, mask, procs in prompts
     ]
     if streamer is not None:
         streamer.put(rows[0].ids.cpu())  # as `generate` does; TextStreamer(skip_prompt=True) drops it
@@ -148,12 +182,12 @@ def decode(
         row.drafter = drafter if len(rows) == 1 else drafter.fork()
         row.drafter.reset(row.ctx)
 
-    active = _drop_finished(verifier, rows)
+    active = _drop_finished(verifier, rows, rows)
     pass_stages = drafter.pass_stages
     steps_start = clock.total()
     while active:
         clock.lap()
-        scheduler.set_rows([(max_length - row.ids.shape[1]) / row.stats.tau for row in active])
+        scheduler.set_rows([(row.end - row.ids.shape[1]) / row.stats.tau for row in active])
         budget = min(scheduler.max_draft_length(), drafter.node_budget)
         steps = scheduler.denoising_steps()
         if not 1 <= steps <= drafter.max_steps:
@@ -168,7 +202,7 @@ def decode(
             )
         schedule_time = clock.lap()
         passes = steps if any(i < stages for i in pass_stages) else 0  # 0: no stage that takes passes ran
-        _draft(drafter, active, budget, steps, stages, max_length, verifier, do_sample, draft_rng)
+        _draft(drafter, active, budget, steps, stages, verifier, do_sample, draft_rng)
         draft_time = clock.lap()
         ks = scheduler.select_batch([row.draft for row in active])
         for row, k in zip(active, ks):
@@ -192,7 +226,7 @@ def decode(
             row.stats.draft_time += draft_time / len(active)
             row.stats.verify_time += verify_time / len(active)
             row.stats.schedule_time += schedule_time / len(active)
-        active = _drop_finished(verifier, active)
+        active = _drop_finished(verifier, active, rows)
     scheduler.finish([row.ids.shape[1] - row.prompt_len - 1 for row in rows], clock.total() - steps_start)
 
     for row in rows:  # the whole sequence, for a drafter that learns from what was committed
@@ -209,9 +243,9 @@ def decode(
     return DecodeResult([row.ids for row in rows], rows[0].scores, rows[0].logits, stats)
 
 
-def _draft(drafter, active, budget, steps, stages, max_length, verifier, do_sample, draft_rng) -> None:
+def _draft(drafter, active, budget, steps, stages, verifier, do_sample, draft_rng) -> None:
     """Each row's draft for this step by the drafter's first `stages` stages, of at most `budget` nodes and never past
-    max_length (the bonus token needs a slot): all rows asked at once, so a drafter may serve them in one forward.
+    the row's end (the bonus token needs a slot): all rows asked at once, so a drafter may serve them in one forward.
     No stage: no drafting, the step verifies the pending token alone.
 
     When sampling, torch's global RNG is forked around the drafter, so nothing it draws or seeds reaches the
@@ -219,7 +253,7 @@ def _draft(drafter, active, budget, steps, stages, max_length, verifier, do_samp
     draws from it are not replays of the verifier's next ones."""
     asks = {}  # row -> how many nodes it may draft
     for row in active:
-        room = max_length - row.ids.shape[1] - 1  # a draft of at most `room` nodes is at most `room` deep
+        room = row.end - row.ids.shape[1] - 1  # a draft of at most `room` nodes is at most `room` deep
         row.draft, row.draft_time = Draft.empty(row.ids.device), 0.0
         if min(budget, room) > 0 and stages > 0:
             row.ctx.input_ids, row.ctx.steps, row.ctx.stages, row.ctx.row = row.unmasked_ids(), steps, stages, row.index
@@ -345,8 +379,15 @@ def _accept(row: _Row, logits: torch.Tensor, pending: torch.Tensor, rejection: b
     return path[:emitted]
 
 
-def _drop_finished(verifier: Verifier, active: list[_Row]) -> list[_Row]:
-    """The unfinished rows; finished ones leave the cache, so they stop costing work."""
+def _drop_finished(verifier: Verifier, active: list[_Row], rows: list[_Row]) -> list[_Row]:
+    """The unfinished rows; finished ones leave the cache, so they stop costing work. Once every row of a batch whose
+    rows do not stop alone has stopped, the batch ends where the last one stopped: longer rows are cut there."""
+    if not rows[0].stops_alone and all(row.stopped_at is not None for row in rows):
+        end = max(row.stopped_at for row in rows)
+        for row in active:
+            if row.ids.shape[1] >= end:
+                row.cut(end)
+            row.end = end
     keep = [row for row in active if not row.finished]
     if len(keep) < len(active) and keep:
         verifier.select_rows([row.index for row in keep])

@@ -12,7 +12,14 @@ import numbers
 import warnings
 
 import torch
-from transformers import Cache, CompileConfig, GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+from transformers import (
+    Cache,
+    CompileConfig,
+    GenerationConfig,
+    LogitsProcessorList,
+    MaxLengthCriteria,
+    StoppingCriteriaList,
+)
 from transformers.generation import GenerateDecoderOnlyOutput
 from transformers.generation.configuration_utils import BaseWatermarkingConfig, GenerationMode
 
@@ -168,9 +175,10 @@ def generate(
     cache). Greedy output is the verifier's greedy output; sampled output has the verifier's distribution.
 
     A batch (left-padded, with its `attention_mask`) runs one verifier forward per step for all unfinished
-    rows; each row drafts, accepts and stops on its own, so its output is what a batch-1 call on the row
-    gives; rows that finish early are padded with `pad_token_id`, as `generate` pads them, and stop costing
-    work.
+    rows; each row drafts and accepts on its own. Rows stop as in `generate`: with an EOS criterion
+    (`eos_token_id`) a row that stops is padded with `pad_token_id` and stops costing work, so its output is
+    what a batch-1 call on the row gives; without one, a row stopped by other criteria (`stop_strings`, the
+    caller's `stopping_criteria`) goes on with its own tokens until the last row stops.
 
     `model` is a causal LM, or a PEFT model whose adapters act within one (LoRA and its kin).
 
@@ -328,6 +336,9 @@ def generate(
     )
     settings = dict(
         stopping_criteria=stopping,
+        # `generate` pads a stopped row only where it has an EOS criterion; without one, a stopped row goes on
+        # appending its own tokens until every row has stopped.
+        pad_stopped=any(hasattr(criteria, "eos_token_id") for criteria in stopping),
         max_length=config.max_length,
         do_sample=bool(config.do_sample),
         generator=generator,
@@ -342,6 +353,15 @@ def generate(
             sequences, stats = result.sequences, result.stats
         else:  # an attention implementation without per-row masks: one row per forward
             parts = [decode(verifier, drafter, scheduler, [prompt], **settings) for prompt in prompts]
+            if not settings["pad_stopped"]:  # rows run on to where the last one stopped, as in one batch
+                end = max(part.sequences[0].shape[1] for part in parts)
+                settings["stopping_criteria"] = StoppingCriteriaList([MaxLengthCriteria(end)])
+                parts = [
+                    _run_on(verifier, drafter, scheduler, prompt, part, settings)
+                    if part.sequences[0].shape[1] < end
+                    else part
+                    for prompt, part in zip(prompts, parts)
+                ]
             sequences, stats = [part.sequences[0] for part in parts], GenerationStats.combined([p.stats for p in parts])
     output = _pad_rows(sequences, config._pad_token_tensor)
     if config.return_dict_in_generate:
@@ -349,6 +369,17 @@ def generate(
             sequences=output, scores=result.scores, logits=result.logits, cache=verifier.cache.to_dynamic(0)
         )
     return (output, stats) if return_stats else output
+
+
+def _run_on(verifier, drafter, scheduler, prompt, part, settings):
+    """A stopped row decoded on, alone, from where it stopped to the batch's end (`settings`' stopping criteria)."""
+    ids, mask, processors = prompt
+    sequence = part.sequences[0]
+    if mask is not None:
+        mask = torch.cat([mask, mask.new_ones(sequence.shape[1] - ids.shape[1])])
+    more = decode(verifier, drafter, scheduler, [(sequence, mask, processors)], **settings)
+    more.stats = GenerationStats.combined([part.stats, more.stats])
+    return more
 
 
 def _decoding(config: GenerationConfig, acceptance: str) -> dict:

@@ -426,6 +426,47 @@ def check_greedy_lossless(
     return GreedyReport(ref.sequences, out, stats, j)
 
 
+def check_batch_greedy_lossless(
+    model, input_ids: torch.Tensor, drafter, scheduler=None, hybrid_kwargs: dict | None = None, **kwargs
+) -> list[int]:
+    """Assert a batch's greedy `hybrid.generate` == `model.generate` on the same batch (`kwargs`: its
+    attention_mask, stopping settings, ...), row by row, up to the near-tie contract. Rows are compared whole: where
+    `generate` pads a stopped row and where it lets the row run on to the batch's end. Returns the rows whose near
+    tie let the runs diverge; after one, the batch's end may move, and rows are compared on their common length."""
+    kwargs = {**kwargs, "do_sample": False}
+    ref = model.generate(input_ids, return_dict_in_generate=True, output_scores=True, **kwargs)
+    out = hybrid.generate(model, input_ids, drafter=drafter, scheduler=scheduler, **kwargs, **(hybrid_kwargs or {}))
+    prompt_len = input_ids.shape[1]
+    expected, got = ref.sequences[:, prompt_len:], out[:, prompt_len:]
+    GREEDY_CHECKS["checked"] += 1
+    if torch.equal(expected, got):
+        return []
+    n = min(expected.shape[1], got.shape[1])
+    dtype = compute_dtype(model)
+    near_ties = []
+    for r in range(expected.shape[0]):
+        mismatch = (expected[r, :n] != got[r, :n]).nonzero()
+        if mismatch.numel() == 0:
+            continue
+        j = int(mismatch[0])
+        top2 = ref.scores[j][r].topk(2).values
+        gap, eps = float(top2[0] - top2[1]), near_tie_eps(dtype, float(top2[0]))
+        if gap >= eps:
+            raise AssertionError(
+                f"greedy output of row {r} differs at new token {j}: model.generate chose {int(expected[r, j])}, "
+                f"hybrid chose {int(got[r, j])}; top-2 score gap {gap:.3g} >= {eps:.3g} (not a near tie in {dtype})"
+                f"\nexpected {expected.tolist()}\n     got {got.tolist()}"
+            )
+        near_ties.append(r)
+    if not near_ties:  # every row agrees as far as both go: the batch ended elsewhere
+        raise AssertionError(
+            f"the batch ended after {got.shape[1]} new tokens in hybrid, after {expected.shape[1]} in model.generate"
+            f"\nexpected {expected.tolist()}\n     got {got.tolist()}"
+        )
+    GREEDY_CHECKS["near_ties"] += 1
+    return near_ties
+
+
 def check_sampled_identical(
     model, input_ids: torch.Tensor, drafter, seed: int, scheduler=None, hybrid_kwargs: dict | None = None, **kwargs
 ) -> int | None:

@@ -221,6 +221,9 @@ def test_batch_rows_of_different_lengths_need_a_pad_token(model, prompt, drafter
     class StopRowStartingWith(StoppingCriteria):  # ends the row whose first token is `first` after 2 new tokens
         def __init__(self, first: int):
             self.first = first
+            # An EOS criterion (transformers' own have this attribute): `generate` pads the rows it stops, where it
+            # lets rows stopped by other criteria run on to the batch's end.
+            self.eos_token_id = None
 
         def __call__(self, input_ids, scores, **kwargs):
             done = (input_ids[:, 0] == self.first) & (input_ids.shape[1] >= prompt.shape[1] + 2)

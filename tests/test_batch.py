@@ -1,5 +1,6 @@
-"""Property: a batch (left-padded, any lengths) gives, row by row, exactly what batch-1 calls give, with the logits
-processors `generate` builds, which a batch's rows of one length run in one call."""
+"""Properties: a batch (left-padded, any lengths) gives, row by row, exactly what batch-1 calls give, with the logits
+processors `generate` builds, which a batch's rows of one length run in one call; and it gives what `model.generate`
+gives on the same batch, however its rows stop."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from strategies import cache_layouts, drafters_for, padded_batches, verifiers
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 import hybrid
-from hybrid.testing import tiny_model
+from hybrid.testing import check_batch_greedy_lossless, tiny_model
 
 PROPERTY = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 PAD = 0
@@ -54,6 +56,40 @@ def test_batch_rows_equal_batch_one_outputs(data):
         new = batch[r, width:]
         assert torch.equal(new[: len(alone)], alone), f"row {r}"
         assert bool((new[len(alone) :] == PAD).all()), f"row {r} is padded after it finished"
+
+
+class StopOnResidue(StoppingCriteria):
+    """Stops a row at a token whose id is, modulo `modulus`, that of the row's last prompt token: rows stop at
+    different lengths."""
+
+    def __init__(self, modulus: int, prompt_len: int):
+        self.modulus, self.prompt_len = modulus, prompt_len
+
+    def __call__(self, input_ids, scores, **kwargs):
+        last = input_ids[:, self.prompt_len - 1]
+        return (input_ids[:, -1] % self.modulus == last % self.modulus) & (input_ids.shape[1] > self.prompt_len)
+
+
+@PROPERTY
+@given(data=st.data())
+def test_a_batch_equals_model_generate_on_it_however_its_rows_stop(data):
+    """Where `generate` has an EOS criterion a stopped row is padded; without one (a stopping criterion of the
+    user's, stop strings) it goes on appending its own tokens until the last row stops."""
+    model = data.draw(verifiers(), label="verifier")
+    vocab = model.config.vocab_size
+    input_ids, mask, _ = data.draw(padded_batches(vocab, PAD, model=model), label="batch")
+    stop = data.draw(st.sampled_from(["eos", "criterion", "criterion and eos", "length"]), label="stop")
+    eos = data.draw(st.integers(1, vocab - 1), label="eos") if "eos" in stop else None
+    settings_ = {"max_new_tokens": data.draw(st.integers(1, 24), label="max_new_tokens"), "pad_token_id": PAD}
+    settings_["eos_token_id"] = eos
+    if "criterion" in stop:
+        modulus = data.draw(st.integers(2, 8), label="modulus")
+        settings_["stopping_criteria"] = StoppingCriteriaList([StopOnResidue(modulus, input_ids.shape[1])])
+    drafter = data.draw(drafters_for(model, eos), label="drafter")
+    static = data.draw(cache_layouts(model), label="cache_implementation")
+    check_batch_greedy_lossless(
+        model, input_ids, drafter, hybrid_kwargs={"cache_implementation": static}, attention_mask=mask, **settings_
+    )
 
 
 def test_rows_share_one_processors_list_only_when_every_processor_is_row_wise():
