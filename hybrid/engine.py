@@ -254,6 +254,8 @@ def _draft(drafter, active, budget, steps, stages, verifier, do_sample, draft_rn
     asks = {}  # row -> how many nodes it may draft
     for row in active:
         room = row.end - row.ids.shape[1] - 1  # a draft of at most `room` nodes is at most `room` deep
+        positions = verifier.positions_room(row.index)  # a rotary embedding's switch the forward must not straddle
+        room = room if positions is None else min(room, positions)
         row.draft, row.draft_time = Draft.empty(row.ids.device), 0.0
         if min(budget, room) > 0 and stages > 0:
             row.ctx.input_ids, row.ctx.steps, row.ctx.stages, row.ctx.row = row.unmasked_ids(), steps, stages, row.index

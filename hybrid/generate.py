@@ -32,6 +32,7 @@ from schedulers.base import Scheduler
 from schedulers.cost_model import cached_kernel_choice
 from verifiers.cache import foreign_cache_reason
 from verifiers.logits import shared_processors
+from verifiers.positions import crossing_problem
 from verifiers.verifier import Verifier, adapted_model, check_causal_lm
 
 # `generate` arguments outside GenerationConfig that this engine honours.
@@ -298,7 +299,7 @@ def generate(
         row_kernels=row_kernels,
         forward_costs=forward_costs,
     )
-    _check_context(verifier, prompt_len, config.max_length)
+    _check_context(verifier, prompt_len, config.max_length, attention_mask, batch)
     verifier.check_masks([None] * batch if attention_mask is None else list(attention_mask))
     _check_drafter(drafter, verifier, call["tokenizer"])
     decoding = _decoding(config, acceptance)
@@ -595,10 +596,16 @@ def _check_prompt(model, input_ids, attention_mask):
     return input_ids, attention_mask
 
 
-def _check_context(verifier: Verifier, prompt_len: int, max_length: int | float) -> None:
+def _check_context(verifier: Verifier, prompt_len: int, max_length: int | float, attention_mask, batch: int) -> None:
     """Refuse a call that would run past a learned position table, where `generate` fails mid-way (IndexError).
-    Rotary and ALiBi models have no such end: like `generate`, hybrid goes on past max_position_embeddings."""
+    Rotary and ALiBi models have no such end: like `generate`, hybrid goes on past max_position_embeddings. Refuse a
+    batch that would reach a switch of a rotary embedding whose frequencies follow the batch's longest row."""
     limit, model = verifier.max_positions, verifier.model
+    if batch > 1 and verifier.rope_switches:
+        longest = prompt_len if attention_mask is None else int(attention_mask.sum(-1).max())
+        problem = crossing_problem(verifier.rope_switches, longest + math.ceil(max_length) - prompt_len)
+        if problem:
+            raise ValueError(f"{type(model).__name__} cannot decode this batch: {problem}")
     if limit is not None and math.ceil(max_length) > limit:
         raise ValueError(
             f"prompt of {prompt_len} tokens + new tokens up to a length of {math.ceil(max_length)} run past the "

@@ -33,6 +33,7 @@ from transformers import DynamicCache
 
 import hybrid
 from drafters import Draft, DraftContext, Drafter
+from verifiers.positions import rotary_state_kept
 
 NEAR_TIE_EPS = 1e-4  # absolute gap between the top-2 processed scores of a float32 verifier
 
@@ -395,7 +396,8 @@ def check_greedy_lossless(
 
     `kwargs` go to both calls; `hybrid_kwargs` to hybrid's only (e.g. `cache_implementation="static"`)."""
     kwargs = {**kwargs, "do_sample": False}
-    ref = model.generate(input_ids, return_dict_in_generate=True, output_scores=True, **kwargs)
+    with rotary_state_kept(model):  # hybrid starts where generate did (dynamic NTK RoPE keeps state)
+        ref = model.generate(input_ids, return_dict_in_generate=True, output_scores=True, **kwargs)
     out, stats = hybrid.generate(
         model, input_ids, drafter=drafter, scheduler=scheduler, return_stats=True, **kwargs, **(hybrid_kwargs or {})
     )
@@ -434,7 +436,8 @@ def check_batch_greedy_lossless(
     `generate` pads a stopped row and where it lets the row run on to the batch's end. Returns the rows whose near
     tie let the runs diverge; after one, the batch's end may move, and rows are compared on their common length."""
     kwargs = {**kwargs, "do_sample": False}
-    ref = model.generate(input_ids, return_dict_in_generate=True, output_scores=True, **kwargs)
+    with rotary_state_kept(model):  # hybrid starts where generate did (dynamic NTK RoPE keeps state)
+        ref = model.generate(input_ids, return_dict_in_generate=True, output_scores=True, **kwargs)
     out = hybrid.generate(model, input_ids, drafter=drafter, scheduler=scheduler, **kwargs, **(hybrid_kwargs or {}))
     prompt_len = input_ids.shape[1]
     expected, got = ref.sequences[:, prompt_len:], out[:, prompt_len:]
@@ -475,7 +478,8 @@ def check_sampled_identical(
     kwargs = {**kwargs, "do_sample": True, "return_dict_in_generate": True, "output_scores": True}
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        ref = model.generate(input_ids, **kwargs)
+        with rotary_state_kept(model):  # hybrid starts where generate did (dynamic NTK RoPE keeps state)
+            ref = model.generate(input_ids, **kwargs)
         torch.manual_seed(seed)
         out = hybrid.generate(model, input_ids, drafter=drafter, scheduler=scheduler, **kwargs, **(hybrid_kwargs or {}))
     prompt_len = input_ids.shape[1]

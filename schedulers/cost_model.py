@@ -37,6 +37,7 @@ from transformers import DynamicCache
 from verifiers.cache import cache_feed_refusal, learned_position_limit
 from verifiers.embedded import measurements_dir
 from verifiers.kernels import KERNELS, chosen_kernels, cpu_linears, force_kernel, prepare_linears
+from verifiers.positions import rotary_state_kept
 
 # Every width of a chain of up to 16 drafts + the pending token, then tree widths (the curve is smooth there).
 PROBE_SIZES = (*range(1, 18), 24, 33, 49, 65)
@@ -89,6 +90,7 @@ def measure_verify_costs(model, sizes=PROBE_SIZES, repeats: int = 3, kernels=KER
     with contextlib.ExitStack() as stack:
         for context in off:
             stack.enter_context(context)
+        stack.enter_context(rotary_state_kept(model))  # its forwards are not a decode's
         return _measure_verify_costs(model, sizes, repeats, kernels)
 
 

@@ -15,7 +15,7 @@ from transformers import OpenAIGPTConfig, OpenAIGPTLMHeadModel, RwkvConfig, Rwkv
 import hybrid
 from drafters import Draft, ModelDrafter, PromptLookupDrafter
 from drafters.oracle import OracleDrafter
-from hybrid.testing import check_greedy_lossless, check_sampled_identical, tiny_model
+from hybrid.testing import AdversarialDrafter, check_greedy_lossless, check_sampled_identical, tiny_model
 from schedulers import FixedScheduler
 from verifiers import cache as cache_module
 from verifiers import verifier as verifier_module
@@ -64,6 +64,80 @@ def test_rotary_model_runs_past_max_position_embeddings_as_generate():
     for drafter in (None, PromptLookupDrafter(), ModelDrafter(model)):
         report = check_greedy_lossless(model, prompt, drafter, max_new_tokens=30, pad_token_id=0)
         assert report.near_tie_at is None
+
+
+SWITCH = 16  # where the rotary embeddings below leave their original frequencies
+SWITCHING_ROPES = {
+    "longrope": {"short_factor": [1.0] * 4, "long_factor": [2.0, 3.0, 4.0, 5.0]},
+    "dynamic": {"factor": 2.0},
+}
+
+
+def switching_rope_model(rope_type: str, seed: int):
+    """A tiny Llama whose rotary frequencies follow a forward's last position past SWITCH: LongRoPE's long factors,
+    or dynamic NTK scaling to the largest position reached (module state)."""
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SWITCH,
+        initializer_range=0.3,
+    )
+    config.rope_parameters = {"rope_type": rope_type, "rope_theta": 10000.0, **SWITCHING_ROPES[rope_type]}
+    if rope_type == "longrope":
+        config.rope_parameters["original_max_position_embeddings"] = SWITCH
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return transformers.LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("rope_type", sorted(SWITCHING_ROPES))
+@pytest.mark.parametrize("prompt_len", [3, 13, 20], ids=["crossing-early", "crossing-at-once", "past"])
+def test_a_rotary_embedding_that_switches_by_a_forwards_last_position_decodes_as_generate(rope_type, prompt_len):
+    """A verify whose drafts reach past the switch would give its earlier tokens the other frequencies: every
+    forward stays on one side, and past a dynamic NTK switch the model decodes one token per step."""
+    for seed in range(2):
+        model = switching_rope_model(rope_type, seed)
+        prompt = torch.tensor([[1, 2, 3] * 10])[:, :prompt_len]
+        model.generate(prompt, max_new_tokens=30)  # dynamic NTK keeps what an earlier call reached: hybrid too
+        for drafter in (
+            AdversarialDrafter(64, None, seed),
+            PromptLookupDrafter(),
+            RandomTreeDrafter(64, None, seed, guide=PromptLookupDrafter()),
+        ):
+            for static in (None, "static") if isinstance(drafter, PromptLookupDrafter) else (None,):
+                kwargs = {"max_new_tokens": 30, "hybrid_kwargs": {"cache_implementation": static}}
+                check_greedy_lossless(model, prompt, drafter, **kwargs)
+                if not isinstance(drafter, RandomTreeDrafter):
+                    check_sampled_identical(model, prompt, drafter, seed, **kwargs)
+
+
+def test_the_rotary_state_an_earlier_call_left_is_where_hybrid_starts(tmp_path, monkeypatch):
+    """Dynamic NTK scaling keeps the largest position any forward reached, and a prompt past the switch is decoded
+    with that position's frequencies, in `generate` as in hybrid: the probes hybrid runs on a model it has not
+    seen (short forwards, which reset that state) leave it as the caller did."""
+    monkeypatch.setenv("HYBRID_COSTS", str(tmp_path))  # no verdicts kept: this call probes
+    model = switching_rope_model("dynamic", 5)
+    prompt = torch.tensor([[1, 2, 3] * 7])
+    model.generate(prompt, max_new_tokens=30)
+    check_greedy_lossless(model, prompt, PromptLookupDrafter(), max_new_tokens=10)
+
+
+def test_a_batch_that_would_reach_a_rotary_switch_is_refused():
+    """The switch reads a forward's last position over the whole batch, which hybrid's uneven rows reach at other
+    steps than `generate`'s: a batch that stays within it is served, one that would reach it is refused."""
+    model = switching_rope_model("longrope", 0)
+    ids, mask = torch.tensor([[0, 5, 6, 7], [4, 5, 6, 7]]), torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
+    settings = {"attention_mask": mask, "pad_token_id": 0, "do_sample": False}
+    assert torch.equal(
+        hybrid.generate(model, ids, drafter=PromptLookupDrafter(), max_new_tokens=12, **settings),
+        model.generate(ids, max_new_tokens=12, **settings),
+    )
+    with pytest.raises(ValueError, match=r"position 16, by the batch's longest row.*pass one prompt per call"):
+        hybrid.generate(model, ids, drafter=PromptLookupDrafter(), max_new_tokens=13, **settings)
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "opt"])

@@ -18,6 +18,7 @@ import torch
 import transformers
 
 from verifiers.embedded import measurements_dir
+from verifiers.positions import rotary_state_kept
 
 # Where the classes of a model's own modules live: torch's layers, transformers' models, activations and GPT-2's Conv1D.
 OWN_MODULES = ("torch.nn.", "transformers.models.", "transformers.activations", "transformers.pytorch_utils")
@@ -53,7 +54,8 @@ def probed(model, probe, *args, failed=None):
     training = model.training
     model.eval()
     try:
-        verdicts[key] = probe(model, *args)
+        with rotary_state_kept(model):
+            verdicts[key] = probe(model, *args)
     except (MemoryError, torch.OutOfMemoryError):
         raise
     except Exception:

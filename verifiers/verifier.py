@@ -31,6 +31,7 @@ from verifiers.cache import (
     tree_layout,
 )
 from verifiers.kernels import chosen_kernels, cpu_linears, forget_changed_weights, prepare_linears
+from verifiers.positions import positions_room, rope_switches
 from verifiers.verdicts import built_of_own_modules, least_precise_dtype, probe_tokens, probed
 
 STATIC_CAPACITY_STEP = 256  # static caches are sized in multiples of this many slots
@@ -293,6 +294,9 @@ class Verifier:
         # A learned position table ends; past it `generate` fails too, so `hybrid.generate` refuses such a call up
         # front and a real token's position is never clamped here.
         self.max_positions = learned_position_limit(model)
+        # Rotary embeddings whose frequencies follow a forward's last position (`verifiers.positions`): every forward
+        # keeps its positions on one side of their switches.
+        self.rope_switches = rope_switches(model)
         if static and self.row_mask_problem:
             raise ValueError(
                 f"cache_implementation='static' reads the cache through hybrid's own per-row masks, and "
@@ -421,7 +425,8 @@ class Verifier:
         tokens = torch.stack([torch.cat([row, row.new_zeros(width - row.shape[0])]) for row in rows])
         last = torch.tensor(lengths, device=tokens.device) - 1
         keep = torch.unique(last)
-        logits = self._forward(tokens, lengths, logits_to_keep=keep if self._supports_logits_to_keep else 0)
+        keep = keep if self._supports_logits_to_keep else 0
+        logits = self._forward(tokens, lengths, logits_to_keep=keep, prefill=True)
         if not all(layer.is_initialized for layer in self.cache.layers):
             raise ValueError(
                 f"{type(self.model).__name__}'s forward did not store its keys/values in the cache hybrid passed it "
@@ -525,6 +530,11 @@ class Verifier:
         """Keep only `rows` of the batch, in this order."""
         self.cache.select_rows(rows)
 
+    def positions_room(self, row: int = 0) -> int | None:
+        """How many tokens past its pending one a forward may feed for `row` (None: any number): where a rotary
+        embedding switches frequencies by a forward's last position, the forward stays on one side of the switch."""
+        return positions_room(self.rope_switches, self.length(row)) if self.rope_switches else None
+
     def length(self, row: int = 0) -> int:
         """Tokens cached for `row`: also the position id its next fed token gets."""
         return self.cache.lengths[row]
@@ -558,12 +568,17 @@ class Verifier:
 
     # -- the forward --------------------------------------------------------------------------------------
 
-    def _forward(self, input_ids: torch.Tensor, real: list[int], logits_to_keep, call=None, tree=None) -> torch.Tensor:
-        """One forward of input_ids [rows, m] after each row's cache, of which row b's first real[b] are tokens."""
+    def _forward(
+        self, input_ids: torch.Tensor, real: list[int], logits_to_keep, call=None, tree=None, prefill: bool = False
+    ) -> torch.Tensor:
+        """One forward of input_ids [rows, m] after each row's cache, of which row b's first real[b] are tokens
+        (`prefill`: the prompts, one forward as in `generate`, wherever their positions reach)."""
         call = call or self.model
         compiled = call is not self.model
         m = input_ids.shape[1]
         position_ids = self.cache.begin(m, tree)
+        if self.rope_switches:
+            position_ids = self._within_switches(position_ids, real, check=not prefill)
         if self.max_positions is not None:
             last = max(int(row[:r].max()) for row, r in zip(position_ids, real))
             if last >= self.max_positions:
@@ -600,6 +615,19 @@ class Verifier:
         # As `generate`: float32 logits where the inputs are (the first GPU under device_map="auto"); a compiled
         # step's copy outlives the graph's output buffer.
         return out.logits.to(device=input_ids.device, dtype=torch.float32, copy=compiled)
+
+    def _within_switches(self, position_ids: torch.Tensor, real: list[int], check: bool) -> torch.Tensor:
+        """The positions of a forward whose rotary embedding switches by its last position: padding is placed at the
+        last real position (its outputs are never read), and the real ones must lie on one side of every switch."""
+        first = min(int(row[:r].min()) for row, r in zip(position_ids, real))
+        last = max(int(row[:r].max()) for row, r in zip(position_ids, real))
+        room = positions_room(self.rope_switches, first) if check else None
+        if room is not None and last - first > room:
+            raise RuntimeError(
+                f"a forward of positions {first}..{last} straddles a switch of {type(self.model).__name__}'s rotary "
+                f"embedding (room for {room} past {first}): the engine must not feed it"
+            )
+        return position_ids.clamp(max=last)
 
 
 # A forward is padded by a position only where that is clearly cheaper than the unpadded one, not within noise.
