@@ -252,7 +252,7 @@ def generate(
         config.cache_implementation = None
     _check_config(config)
 
-    input_ids, attention_mask = _check_prompt(model, input_ids, call["attention_mask"])
+    input_ids, attention_mask = _check_prompt(model, input_ids, call["attention_mask"], config.bos_token_id)
     prompt_len = input_ids.shape[1]
     model._prepare_special_tokens(
         config, call["attention_mask"] is not None, device=input_ids.device, batch_size=input_ids.shape[0]
@@ -559,9 +559,14 @@ def _check_mask(mask: torch.Tensor) -> None:
         )
 
 
-def _check_prompt(model, input_ids, attention_mask):
+def _check_prompt(model, input_ids, attention_mask, bos_token_id):
     if input_ids is None:
-        raise ValueError("input_ids is required: hybrid needs a prompt (for unconditional text pass [[bos_token_id]])")
+        if bos_token_id is None or attention_mask is not None:
+            raise ValueError(
+                "input_ids is required: hybrid needs a prompt (or, for unconditional text, no input_ids and a "
+                "bos_token_id, which it starts from as generate does)"
+            )
+        input_ids = torch.full((1, 1), int(bos_token_id), dtype=torch.long, device=model.device)
     if (
         not isinstance(input_ids, torch.Tensor)
         or input_ids.dim() != 2

@@ -154,8 +154,13 @@ def test_empty_prompt(model, drafter):
 
 
 def test_input_ids_none(model, drafter):
-    with pytest.raises(ValueError, match=r"input_ids is required"):
+    with pytest.raises(ValueError, match=r"input_ids is required.*bos_token_id"):
         gen(model, None, drafter)
+
+
+def test_no_input_ids_start_from_the_bos_token_as_generate_does(model, drafter):
+    settings = {"max_new_tokens": MAX_NEW, "do_sample": False, "bos_token_id": 7}
+    assert torch.equal(gen(model, None, drafter, **settings), model.generate(**settings))
 
 
 def test_input_ids_1d(model, prompt, drafter):
