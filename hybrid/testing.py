@@ -150,6 +150,28 @@ def _gemma4(vocab_size, num_layers, window):
     ), transformers.Gemma4UnifiedForCausalLM
 
 
+def _gemma3n(vocab_size, num_layers, window):
+    """Gemma 3n (text): its last `num_layers` layers read the keys and values of the last earlier layer of their kind
+    (KV sharing: they store nothing), on top of AltUp, Laurel, per-layer inputs and activation sparsity."""
+    return transformers.Gemma3nTextConfig(
+        vocab_size=vocab_size,
+        vocab_size_per_layer_input=vocab_size,
+        hidden_size=32,
+        hidden_size_per_layer_input=8,
+        intermediate_size=64,
+        num_hidden_layers=2 * num_layers + 1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        sliding_window=window or 4,
+        num_kv_shared_layers=num_layers,
+        laurel_rank=4,
+        altup_num_inputs=2,
+        activation_sparsity_pattern=[0.95] + [0.0] * (2 * num_layers),
+        layer_types=(["sliding_attention", "full_attention"] * (num_layers + 1))[: 2 * num_layers + 1],
+    ), transformers.Gemma3nForCausalLM
+
+
 def _moshi(vocab_size, num_layers, window):
     """Moshi's text model: its config declares a sliding window that its own masks ignore, while `generate`'s cache
     keeps only the window: full attention over the prompt, windowed after it."""
@@ -228,6 +250,7 @@ ARCHITECTURES = {
         **_MOE,
     ),
     "gemma4": _gemma4,  # per-layer head sizes; sliding layers
+    "gemma3n": _gemma3n,  # KV sharing: layers that read another layer's keys and values
     "bert": _bert_decoder,  # causal through is_decoder=True
     "bart": _bart_decoder,  # no position_ids: tokens placed by cache slot
     "moshi": _moshi,  # a window its own masks ignore
@@ -554,6 +577,8 @@ def check_cache_matches_prefill(
             model(sequences[:, t : t + 1], cache=fresh, use_cache=True)
     assert cache.get_seq_length() == fresh.get_seq_length() == sequences.shape[1] - 1
     for i, (mine, theirs) in enumerate(zip(cache.layers, fresh.layers)):
+        if getattr(theirs, "keys", None) is None:  # a layer that stores nothing (KV sharing: it reads another's)
+            continue
         for name in ("keys", "values"):
             a, b = getattr(mine, name), getattr(theirs, name)
             assert a.shape == b.shape, f"layer {i} {name}: {tuple(a.shape)} vs fresh prefill {tuple(b.shape)}"

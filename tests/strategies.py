@@ -41,7 +41,9 @@ def verifiers(draw, fresh_forward_reference: bool = False):
     reproduces (what properties that compare against such a forward need)."""
     excluded = DECODES_UNLIKE_A_FRESH_FORWARD if fresh_forward_reference else ()
     arch = draw(st.sampled_from(sorted(set(ARCHITECTURES) - set(excluded))))
-    window = draw(st.sampled_from([None, 4, 9])) if arch in ("mistral", "gpt_neo", "gemma4", "moshi") else None
+    window = (
+        draw(st.sampled_from([None, 4, 9])) if arch in ("mistral", "gpt_neo", "gemma4", "gemma3n", "moshi") else None
+    )
     return tiny_model(arch, draw(st.integers(32, 96)), draw(st.integers(1, 2)), draw(st.integers(0, 2**16)), window)
 
 

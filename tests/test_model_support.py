@@ -661,6 +661,35 @@ def test_per_layer_head_sizes_are_read_per_layer():
         check_greedy_lossless(model, prompt, drafter, max_new_tokens=30)
 
 
+def test_layers_that_read_another_layers_keys_and_values_decode_as_generate():
+    """Gemma 4 with KV sharing (as its small checkpoints): its last layers store nothing and attend over the keys
+    and values the last earlier layer of their kind returned from the cache, which hybrid's cache returns too."""
+    config = transformers.Gemma4UnifiedTextConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        global_head_dim=16,
+        sliding_window=4,
+        num_kv_shared_layers=3,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+        initializer_range=0.3,
+    )
+    assert config.kv_sharing_modes[3:] == ["reuse"] * 3
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = transformers.Gemma4UnifiedForCausalLM(config).eval()
+    prompt = torch.tensor([[5, 6, 7] * 4])
+    for drafter in (PromptLookupDrafter(), RandomTreeDrafter(96, None, 0, guide=PromptLookupDrafter())):
+        for static in (None, "static"):
+            check_greedy_lossless(
+                model, prompt, drafter, hybrid_kwargs={"cache_implementation": static}, max_new_tokens=30
+            )
+
+
 class _AdapterConfig:
     def __init__(self, peft_type: str, is_prompt_learning: bool):
         self.peft_type, self.is_prompt_learning = peft_type, is_prompt_learning

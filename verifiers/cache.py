@@ -388,6 +388,8 @@ class SharedCache(Cache):
         # A looped model's extra layers, as it appends them to a cache of one layer per model layer
         cache.layers += [copy.deepcopy(cache.layers[source]) for source in self.sources[len(cache.layers) :]]
         for i, layer in enumerate(self.layers):
+            if not layer.is_initialized:  # a layer that stores nothing (KV sharing): neither does generate's
+                continue
             n = self.lengths[row]
             cache.update(layer.keys[row : row + 1, :, :n].clone(), layer.values[row : row + 1, :, :n].clone(), i)
         return cache
@@ -432,11 +434,20 @@ def attention_pattern(text_config) -> tuple[list[str], int | None]:
     layer's `sliding_window` / `attention_chunk_size`), and the sliding window; raises for what the masks built
     here cannot express."""
     name = type(text_config).__name__
-    types, kwargs = get_layer_types_and_kwargs(text_config)
+    raw, kwargs = get_layer_types_and_kwargs(text_config)
+    # A layer that stores nothing ("dummy": one that reads another layer's keys and values, Gemma 3n's and Gemma 4's
+    # KV sharing, or one without attention) is masked as its config names it.
+    declared = getattr(text_config, "layer_types", None) or []
+    types = [
+        (declared[i] if i < len(declared) and declared[i] in LAYER_TYPES else "full_attention")
+        if kind == "dummy"
+        else kind
+        for i, kind in enumerate(raw)
+    ]
     odd = sorted(set(types) - set(LAYER_TYPES))
     if odd:
         raise ValueError(f"{name} has {odd} layers: hybrid's cache serves full and sliding-window attention only")
-    windows = {kw.get("sliding_window") for kind, kw in zip(types, kwargs) if kind == "sliding_attention"}
+    windows = {kw.get("sliding_window") for kind, kw in zip(raw, kwargs) if kind == "sliding_attention"}
     if None in windows:
         raise ValueError(f"{name} has sliding-attention layers but no sliding_window size")
     if len(windows) > 1:
@@ -607,7 +618,8 @@ def _feed_problem(model, width: int) -> str | None:
                 f"its forward keeps state in a cache of its own ({type(returned).__name__}) around the one it is "
                 "passed, which a forward through hybrid's cache would lose"
             )
-        if not all(getattr(layer, "is_initialized", True) for layer in cache.layers):  # recurrent layers: no flag
+        stores = storing_layers(cache, model.config.get_text_config())
+        if not all(getattr(layer, "is_initialized", True) for layer in stores):  # recurrent layers: no flag
             return (
                 "its forward did not store its keys/values in the cache hybrid passed it (cache=...): such a model "
                 "recomputes the whole sequence every step"
@@ -639,6 +651,13 @@ def learned_position_limit(model) -> int | None:
             if size == context or "pos" in name.rsplit(".", 1)[-1]:
                 sizes.append(size)
     return min(sizes) if sizes else None
+
+
+def storing_layers(cache, text_config) -> list:
+    """The layers of `cache` a forward stores keys and values in: all but those transformers marks as storing none
+    (KV-shared and attention-free layers)."""
+    types, _ = get_layer_types_and_kwargs(text_config)
+    return [layer for i, layer in enumerate(cache.layers) if i >= len(types) or types[i] != "dummy"]
 
 
 def cache_layer_sources(text_config) -> list[int]:

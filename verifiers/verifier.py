@@ -28,6 +28,7 @@ from verifiers.cache import (
     prompt_holes,
     row_mask_problem,
     slot_position_problem,
+    storing_layers,
     tree_layout,
 )
 from verifiers.kernels import chosen_kernels, cpu_linears, forget_changed_weights, prepare_linears
@@ -427,7 +428,7 @@ class Verifier:
         keep = torch.unique(last)
         keep = keep if self._supports_logits_to_keep else 0
         logits = self._forward(tokens, lengths, logits_to_keep=keep, prefill=True)
-        if not all(layer.is_initialized for layer in self.cache.layers):
+        if not all(layer.is_initialized for layer in storing_layers(self.cache, self.model.config.get_text_config())):
             raise ValueError(
                 f"{type(self.model).__name__}'s forward did not store its keys/values in the cache hybrid passed it "
                 "(cache=...): such a model recomputes the whole sequence every step, so a verify of drafted tokens "
@@ -610,7 +611,9 @@ class Verifier:
             )
         hidden = None
         if self.hidden_layers:  # gathered where the logits are: the last layer's device under device_map="auto"
-            hidden = torch.cat([out.hidden_states[i].to(out.logits.device) for i in self.hidden_layers], dim=-1)
+            hidden = torch.cat(
+                [_main_stream(out.hidden_states[i]).to(out.logits.device) for i in self.hidden_layers], -1
+            )
         self.cache.commit(m, hidden)
         # As `generate`: float32 logits where the inputs are (the first GPU under device_map="auto"); a compiled
         # step's copy outlives the graph's output buffer.
@@ -628,6 +631,12 @@ class Verifier:
                 f"embedding (room for {room} past {first}): the engine must not feed it"
             )
         return position_ids.clamp(max=last)
+
+
+def _main_stream(states: torch.Tensor) -> torch.Tensor:
+    """[rows, q, hidden] of a layer's hidden states: a model that carries several streams through its layers (Gemma
+    3n's AltUp, [streams, rows, q, hidden]) gives the first, the one its layers compute and the others follow."""
+    return states[0] if states.dim() == 4 else states
 
 
 # A forward is padded by a position only where that is clearly cheaper than the unpadded one, not within noise.
