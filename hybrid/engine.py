@@ -386,7 +386,7 @@ def _drop_finished(verifier: Verifier, active: list[_Row], rows: list[_Row]) -> 
     rows do not stop alone has stopped, the batch ends where the last one stopped: longer rows are cut there."""
     if not rows[0].stops_alone and all(row.stopped_at is not None for row in rows):
         end = max(row.stopped_at for row in rows)
-        for row in active:
+        for row in rows:  # a row may have run on to max_length and left already: it is cut too
             if row.ids.shape[1] >= end:
                 row.cut(end)
             row.end = end

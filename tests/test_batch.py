@@ -92,6 +92,24 @@ def test_a_batch_equals_model_generate_on_it_however_its_rows_stop(data):
     )
 
 
+def test_a_stopped_row_that_runs_ahead_to_max_length_ends_where_the_last_row_stops():
+    """Without an EOS the first row stops at once and, drafted perfectly, runs on to max_length while the second
+    still decodes one token a step: the batch ends where the second stops, as in `generate`."""
+    from drafters.oracle import OracleDrafter
+
+    class StopFirstRowAtOnceSecondAfter20(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.tensor([bool(row[0] == 5) or row.shape[0] >= 24 for row in input_ids])
+
+    model = tiny_model("llama", 64, 1, 3)
+    ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    own = model.generate(ids[:1], max_new_tokens=40, do_sample=False)  # the first row's own continuation
+    stopping = StoppingCriteriaList([StopFirstRowAtOnceSecondAfter20()])
+    check_batch_greedy_lossless(
+        model, ids, OracleDrafter(own), max_new_tokens=40, stopping_criteria=stopping, pad_token_id=PAD
+    )
+
+
 def test_rows_share_one_processors_list_only_when_every_processor_is_row_wise():
     from transformers import GenerationConfig, LogitsProcessorList
 
