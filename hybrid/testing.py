@@ -412,6 +412,19 @@ class GreedyReport:
     near_tie_at: int | None  # index of the new token where a near tie let the runs diverge, else None
 
 
+def _reference(model, input_ids: torch.Tensor, **kwargs):
+    """`model.generate`'s output, leaving the model's rotary state where it was (dynamic NTK RoPE keeps some): the
+    hybrid call it is compared with starts where `generate` did."""
+    with rotary_state_kept(model):
+        return model.generate(input_ids, **kwargs)
+
+
+def _top2_gap(scores: torch.Tensor, dtype: torch.dtype) -> tuple[float, float]:
+    """The gap between the two best of `scores` [vocab], and the gap below which `dtype`'s rounding may swap them."""
+    top2 = scores.topk(2).values
+    return float(top2[0] - top2[1]), near_tie_eps(dtype, float(top2[0]))
+
+
 def check_greedy_lossless(
     model, input_ids: torch.Tensor, drafter, scheduler=None, hybrid_kwargs: dict | None = None, **kwargs
 ) -> GreedyReport:
@@ -419,8 +432,7 @@ def check_greedy_lossless(
 
     `kwargs` go to both calls; `hybrid_kwargs` to hybrid's only (e.g. `cache_implementation="static"`)."""
     kwargs = {**kwargs, "do_sample": False}
-    with rotary_state_kept(model):  # hybrid starts where generate did (dynamic NTK RoPE keeps state)
-        ref = model.generate(input_ids, return_dict_in_generate=True, output_scores=True, **kwargs)
+    ref = _reference(model, input_ids, return_dict_in_generate=True, output_scores=True, **kwargs)
     out, stats = hybrid.generate(
         model, input_ids, drafter=drafter, scheduler=scheduler, return_stats=True, **kwargs, **(hybrid_kwargs or {})
     )
@@ -438,9 +450,8 @@ def check_greedy_lossless(
             f"common prefix {expected[:n].tolist()}"
         )
     j = int(mismatch[0])
-    top2 = ref.scores[j][0].topk(2).values
     dtype = compute_dtype(model)
-    gap, eps = float(top2[0] - top2[1]), near_tie_eps(dtype, float(top2[0]))
+    gap, eps = _top2_gap(ref.scores[j][0], dtype)
     if gap >= eps:
         raise AssertionError(
             f"greedy output differs at new token {j}: model.generate chose {int(expected[j])}, hybrid chose "
@@ -459,8 +470,7 @@ def check_batch_greedy_lossless(
     `generate` pads a stopped row and where it lets the row run on to the batch's end. Returns the rows whose near
     tie let the runs diverge; after one, the batch's end may move, and rows are compared on their common length."""
     kwargs = {**kwargs, "do_sample": False}
-    with rotary_state_kept(model):  # hybrid starts where generate did (dynamic NTK RoPE keeps state)
-        ref = model.generate(input_ids, return_dict_in_generate=True, output_scores=True, **kwargs)
+    ref = _reference(model, input_ids, return_dict_in_generate=True, output_scores=True, **kwargs)
     out = hybrid.generate(model, input_ids, drafter=drafter, scheduler=scheduler, **kwargs, **(hybrid_kwargs or {}))
     prompt_len = input_ids.shape[1]
     expected, got = ref.sequences[:, prompt_len:], out[:, prompt_len:]
@@ -475,8 +485,7 @@ def check_batch_greedy_lossless(
         if mismatch.numel() == 0:
             continue
         j = int(mismatch[0])
-        top2 = ref.scores[j][r].topk(2).values
-        gap, eps = float(top2[0] - top2[1]), near_tie_eps(dtype, float(top2[0]))
+        gap, eps = _top2_gap(ref.scores[j][r], dtype)
         if gap >= eps:
             raise AssertionError(
                 f"greedy output of row {r} differs at new token {j}: model.generate chose {int(expected[r, j])}, "
@@ -501,8 +510,7 @@ def check_sampled_identical(
     kwargs = {**kwargs, "do_sample": True, "return_dict_in_generate": True, "output_scores": True}
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        with rotary_state_kept(model):  # hybrid starts where generate did (dynamic NTK RoPE keeps state)
-            ref = model.generate(input_ids, **kwargs)
+        ref = _reference(model, input_ids, **kwargs)
         torch.manual_seed(seed)
         out = hybrid.generate(model, input_ids, drafter=drafter, scheduler=scheduler, **kwargs, **(hybrid_kwargs or {}))
     prompt_len = input_ids.shape[1]

@@ -16,6 +16,7 @@ import verifiers.cache as cache_module
 from drafters import PromptLookupDrafter
 from verifiers import Verifier
 from verifiers.cache import CacheMemoryError, SharedCache, row_mask_problem
+from verifiers.verifier import main_stream
 
 PROPERTY = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -59,8 +60,7 @@ def test_rollback_leaves_every_row_equal_to_a_fresh_prefill(data):
             for name in ("keys", "values"):
                 mine, theirs = getattr(layer, name)[b, :, :n], getattr(fresh.layers[i], name)[0, :, :n]
                 torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=1e-4, msg=f"row {b} layer {i} {name}")
-        main = [h[0] if h.dim() == 4 else h for h in (out.hidden_states[0], out.hidden_states[-1])]  # AltUp: stream 0
-        states = torch.cat(main, dim=-1)[0, :n]
+        states = torch.cat([main_stream(out.hidden_states[0]), main_stream(out.hidden_states[-1])], dim=-1)[0, :n]
         torch.testing.assert_close(verifier.hidden_states(b)[0, :n], states, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(logits[b], out.logits[0, -1].float(), atol=1e-4, rtol=1e-4)
 

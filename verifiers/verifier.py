@@ -612,7 +612,7 @@ class Verifier:
         hidden = None
         if self.hidden_layers:  # gathered where the logits are: the last layer's device under device_map="auto"
             hidden = torch.cat(
-                [_main_stream(out.hidden_states[i]).to(out.logits.device) for i in self.hidden_layers], -1
+                [main_stream(out.hidden_states[i]).to(out.logits.device) for i in self.hidden_layers], -1
             )
         self.cache.commit(m, hidden)
         # As `generate`: float32 logits where the inputs are (the first GPU under device_map="auto"); a compiled
@@ -633,7 +633,7 @@ class Verifier:
         return position_ids.clamp(max=last)
 
 
-def _main_stream(states: torch.Tensor) -> torch.Tensor:
+def main_stream(states: torch.Tensor) -> torch.Tensor:
     """[rows, q, hidden] of a layer's hidden states: a model that carries several streams through its layers (Gemma
     3n's AltUp, [streams, rows, q, hidden]) gives the first, the one its layers compute and the others follow."""
     return states[0] if states.dim() == 4 else states
