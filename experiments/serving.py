@@ -118,6 +118,7 @@ def stream_request(client, model: str, prompt: str, max_tokens: int) -> dict:
         max_tokens=max_tokens,
         temperature=0,
         stream=True,
+        stream_options={"include_usage": True},  # the usage chunk, last: transformers 5.25 sends it only when asked
     )
     for chunk in stream:
         if chunk.usage is not None:

@@ -14,10 +14,12 @@ import inspect
 import json
 import logging
 import numbers
+import os
 import sys
 from pathlib import Path
 
 from hybrid.custom_generate import DRAFTER_NAMES
+from hybrid.custom_generate.generate import SERVED, log_each_call
 
 SERVING_EXTRA = 'pip install -e ".[serving]" (transformers[serving]: fastapi, uvicorn, openai)'
 # transformers serve options that would take requests away from model.generate, i.e. from hybrid.
@@ -59,17 +61,31 @@ def request_rules():
 
 def add_request_rules(handler, chat: bool) -> None:
     """Check each request before transformers reads it, and sample where it asks for a temperature above 0."""
-    validate, build_config = handler._validate_request, handler._build_generation_config
+    validate = handler._validate_request
 
     def validate_request(body: dict) -> None:
         validate(body)  # transformers' own: unknown fields are a 422
         check_request(body, chat)
 
-    def build_generation_config(body: dict, model_generation_config, use_cb: bool = False):
-        return sample_as_asked(body, build_config(body, model_generation_config, use_cb=use_cb))
-
     handler._validate_request = validate_request
-    handler._build_generation_config = build_generation_config
+    if hasattr(handler, "_build_generation_kwargs"):  # transformers >= 5.25: a request's `generate` arguments
+        build_kwargs = handler._build_generation_kwargs
+
+        def build_generation_kwargs(body: dict, model_generation_config) -> dict:
+            kwargs = build_kwargs(body, model_generation_config)
+            kwargs["do_sample"] = sample_as_asked(body, kwargs.get("do_sample"))
+            return kwargs
+
+        handler._build_generation_kwargs = build_generation_kwargs
+    else:  # transformers < 5.25: a request's GenerationConfig
+        build_config = handler._build_generation_config
+
+        def build_generation_config(body: dict, model_generation_config, use_cb: bool = False):
+            config = build_config(body, model_generation_config, use_cb=use_cb)
+            config.do_sample = sample_as_asked(body, config.do_sample)
+            return config
+
+        handler._build_generation_config = build_generation_config
 
 
 def check_request(body: dict, chat: bool) -> None:
@@ -130,21 +146,21 @@ def request_settings(body: dict) -> dict:
     return settings
 
 
-def sample_as_asked(body: dict, config):
-    """A request with a temperature above 0 (or, without a temperature, a top_p below 1) samples, as OpenAI's API
-    does, unless its generation_config sets do_sample. transformers serve keeps the model's do_sample there (greedy
-    for a model that does not set it), so where the two differ this says so in the log."""
+def sample_as_asked(body: dict, do_sample: bool | None) -> bool | None:
+    """Whether the request samples: where it has a temperature above 0 (or, without a temperature, a top_p below 1),
+    yes, as OpenAI's API does, unless its generation_config sets do_sample. transformers serve keeps the model's
+    do_sample there (greedy for a model that does not set it), so where the two differ this says so in the log."""
     temperature, top_p = body.get("temperature"), body.get("top_p")
     asked = temperature > 0 if temperature is not None else top_p is not None and top_p < 1
-    if asked and not config.do_sample and "do_sample" not in request_settings(body):
+    if asked and not do_sample and "do_sample" not in request_settings(body):
         setting = f"temperature {temperature}" if temperature is not None else f"top_p {top_p}"
         logger.info(
             "%s asks for a sample: sampling (transformers serve alone decodes this request greedily, as do_sample "
             "is not set; set generation_config's do_sample to choose)",
             setting,
         )
-        config.do_sample = True
-    return config
+        return True
+    return do_sample
 
 
 def answer_failures(app):
@@ -174,6 +190,17 @@ def _is_number(value) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
+def option_value(arguments: list[str], name: str) -> str | None:
+    """The value given to the command-line option `name` in `arguments` (`name V` or `name=V`; the last wins)."""
+    value = None
+    for i, argument in enumerate(arguments):
+        if argument == name and i + 1 < len(arguments):
+            value = arguments[i + 1]
+        elif argument.startswith(f"{name}="):
+            value = argument.split("=", 1)[1]
+    return value
+
+
 def served_default(drafter: str, verifier: str | Path | None = None) -> Path:
     """The served folder of `verifier` (None: the embedded default verifier) with `drafter` (a name or a drafter
     folder). The embedded verifier's is exported into the cache on first use; a verifier folder's on every start (it
@@ -196,7 +223,8 @@ def served_default(drafter: str, verifier: str | Path | None = None) -> Path:
 
 
 def serve(folder: str | Path, device: str, host: str, port: int, transformers_args: list[str]) -> None:
-    """Run `transformers serve folder --trust-remote-code` in this process, logging each request's statistics."""
+    """Run `transformers serve folder --trust-remote-code` in this process (from transformers 5.25 its model decodes
+    in a process the server spawns), logging each request's statistics."""
     require_serving()
     from hybrid.export import GLUE
 
@@ -209,11 +237,15 @@ def serve(folder: str | Path, device: str, host: str, port: int, transformers_ar
             f"{bypassing[0]} serves requests without model.generate, so hybrid would not run: "
             f"run `transformers serve {folder} {bypassing[0]}` for transformers' own batching instead"
         )
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("hybrid: %(message)s"))
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    logger.propagate = False
+    api_servers = option_value(transformers_args, "--api-server-count")
+    if api_servers not in (None, "1"):
+        raise SystemExit(
+            f"--api-server-count {api_servers}: transformers serve's API servers beyond the first are processes of "
+            "their own, which hybrid's request rules do not reach (a request's temperature would not make it "
+            "sample there); run one API server (the default)"
+        )
+    os.environ[SERVED] = "1"  # for this process and the ones transformers serve starts
+    log_each_call()
 
     from transformers.cli.transformers import app
 

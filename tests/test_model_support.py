@@ -10,7 +10,14 @@ import pytest
 import torch
 import transformers
 from strategies import HiddenStateMeddler, LyingDrafter, MeddlingDrafter, RandomTreeDrafter
-from transformers import OpenAIGPTConfig, OpenAIGPTLMHeadModel, RwkvConfig, RwkvForCausalLM
+from transformers import (
+    OpenAIGPTConfig,
+    OpenAIGPTLMHeadModel,
+    RwkvConfig,
+    RwkvForCausalLM,
+    xLSTMConfig,
+    xLSTMForCausalLM,
+)
 
 import hybrid
 from drafters import Draft, ModelDrafter, PromptLookupDrafter
@@ -459,10 +466,20 @@ def test_a_probes_verdict_is_kept_for_later_processes_by_what_decides_it(monkeyp
     assert not verifier_module.padding_changes_outputs(tiny_model("llama", 96, 2, seed=0))
 
 
-def test_recurrent_model_is_refused_clearly():
-    model = RwkvForCausalLM(
+RECURRENT_MODELS = {
+    "rwkv": lambda: RwkvForCausalLM(
         RwkvConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32, intermediate_size=64)
-    ).eval()
+    ),
+    "xlstm": lambda: xLSTMForCausalLM(
+        xLSTMConfig(vocab_size=96, hidden_size=32, embedding_dim=32, num_hidden_layers=2, num_heads=2, num_blocks=2)
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", list(RECURRENT_MODELS))
+def test_recurrent_model_is_refused_clearly(kind):
+    """Refused by what they are, whether or not transformers marks them stateful (it stopped at 5.25)."""
+    model = RECURRENT_MODELS[kind]().eval()
     with pytest.raises(ValueError, match=r"keeps state that cannot be rolled back"):
         hybrid.generate(model, torch.tensor([[1, 2, 3]]), drafter=None, max_new_tokens=5, **GREEDY)
 

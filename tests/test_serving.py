@@ -4,7 +4,6 @@ stream's text is exactly the decoded tokens)."""
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import http.client
 import json
@@ -31,7 +30,6 @@ from hybrid.custom_generate import build_drafter, cached_drafter
 from hybrid.custom_generate import generate as glue_generate
 from hybrid.custom_generate.generate import _DRAFTERS
 from hybrid.export import GLUE, export_served
-from hybrid.serving import request_rules
 from hybrid.testing import tiny_model
 
 pytest.importorskip("fastapi", reason="the serving extra: pip install -e '.[serving]'")
@@ -213,10 +211,13 @@ def wait_healthy(port: int, process: subprocess.Popen | None = None, timeout: fl
 
 
 class Client:
-    """Chat requests to one served folder on loopback, read as raw HTTP (status, SSE events)."""
+    """Chat requests to one served folder on loopback, read as raw HTTP (status, SSE events), and the server's log."""
 
-    def __init__(self, port: int, model: str):
-        self.port, self.model = port, model
+    def __init__(self, port: int, model: str, log: Path):
+        self.port, self.model, self.log = port, model, log
+
+    def logged(self) -> str:
+        return self.log.read_text(errors="replace")
 
     def body(self, prompt: str, max_tokens: int, **extra) -> dict:
         return {
@@ -244,38 +245,61 @@ class Client:
 
     def stream(self, prompt: str, max_tokens: int, **extra) -> tuple[str, list[dict]]:
         """(text, events) of a streaming request."""
-        status, data = self.post(self.body(prompt, max_tokens, stream=True, **extra))
+        body = self.body(prompt, max_tokens, stream=True, stream_options={"include_usage": True}, **extra)
+        status, data = self.post(body)
         assert status == 200, data
         events = [json.loads(line[6:]) for line in data.decode().splitlines() if line.startswith("data: ")]
         text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e.get("choices"))
         return text, events
 
 
-@pytest.fixture(scope="module")
-def servers(served):
-    """transformers serve on the served folder, in this process: hybrid (trust_remote_code and hybrid's request
-    rules, as `python -m hybrid serve` runs it) and plain (neither)."""
-    from transformers.cli.serve import Serve
-
-    running = {}
+def start_server(command: list[str], folder: Path, log: Path) -> tuple[subprocess.Popen, int]:
+    """`command` (a server's command line, before the folder) serving `folder` on a free loopback port, its output
+    going to `log`; returns once it answers."""
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", HF_HUB_DISABLE_UPDATE_CHECK="1")
+    with log.open("w") as out:
+        process = subprocess.Popen(
+            [*command, str(folder), "--device", "cpu", "--host", "127.0.0.1", "--port", str(port)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
     try:
-        for name, trust in (("hybrid", True), ("plain", False)):
-            port = free_port()
-            with request_rules() if trust else contextlib.nullcontext():
-                server = Serve(
-                    force_model=str(served),
-                    trust_remote_code=trust,
-                    device="cpu",
-                    host="127.0.0.1",
-                    port=port,
-                    non_blocking=True,
-                )
-            running[name] = (server, Client(port, str(served)))
-            wait_healthy(port)
-        yield {name: client for name, (_, client) in running.items()}
+        wait_healthy(port, process)
+    except BaseException:
+        stop_server(process)
+        raise
+    return process, port
+
+
+def stop_server(process: subprocess.Popen) -> None:
+    process.terminate()
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+PLAIN_SERVE = [sys.executable, "-c", "from transformers.cli.transformers import main; main()", "serve"]
+
+
+@pytest.fixture(scope="module")
+def servers(served, tmp_path_factory):
+    """The served folder behind `python -m hybrid serve` (trust_remote_code and hybrid's request rules) and behind
+    plain `transformers serve` (neither), each a process of its own whose output is its client's log."""
+    logs = tmp_path_factory.mktemp("server-logs")
+    processes, clients = [], {}
+    try:
+        for name, command in (("hybrid", [sys.executable, "-m", "hybrid", "serve"]), ("plain", PLAIN_SERVE)):
+            process, port = start_server(command, served, logs / f"{name}.log")
+            processes.append(process)
+            clients[name] = Client(port, str(served), logs / f"{name}.log")
+        yield clients
     finally:
-        for server, _ in running.values():
-            server.kill_server()
+        for process in processes:
+            stop_server(process)
 
 
 def test_greedy_text_through_the_server_equals_hybrid_generate(servers, reference):
@@ -377,7 +401,7 @@ BAD_REQUESTS = {
     "top_k a string in generation_config": (
         lambda body: {**body, "generation_config": json.dumps({"top_k": "5"})},
         False,
-        r"generation_config\.top_k='5' \(str\): top_k takes a whole number",
+        r"top_k='5' \(str\): top_k takes a whole number",  # generation_config.top_k before transformers 5.25
     ),
 }
 
@@ -401,16 +425,14 @@ def test_after_bad_requests_the_next_one_is_right(servers, reference):
     assert client.stream(PROMPTS[3], 12, temperature=0)[0] == answer(PROMPTS[3], 12)
 
 
-def test_a_temperature_alone_samples_as_openai_does_and_the_log_says_the_plain_server_differs(
-    servers, reference, caplog
-):
+def test_a_temperature_alone_samples_as_openai_does_and_the_log_says_the_plain_server_differs(servers, reference):
     _, _, answer = reference
     greedy = answer(PROMPTS[2], 32)
-    with caplog.at_level(logging.INFO, logger="hybrid.serving"):
-        sampled = servers["hybrid"].complete(PROMPTS[2], 32, temperature=0.8, seed=5)
+    sampled = servers["hybrid"].complete(PROMPTS[2], 32, temperature=0.8, seed=5)
     assert sampled != greedy
-    assert "temperature 0.8 asks for a sample: sampling (transformers serve alone decodes this request greedily" in (
-        caplog.text
+    assert (
+        "hybrid: temperature 0.8 asks for a sample: sampling (transformers serve alone decodes this request greedily"
+        in servers["hybrid"].logged()
     )
     # The same draw as the plain server's when it is told to sample; told the temperature alone, it decodes greedily.
     told = {"generation_config": json.dumps({"do_sample": True, "temperature": 0.8}), "seed": 5}
@@ -433,50 +455,34 @@ def test_a_malformed_request_is_refused_and_the_next_one_is_fine(servers, refere
     assert client.complete(PROMPTS[0], 12, temperature=0) == answer(PROMPTS[0], 12)
 
 
-def test_a_client_that_disconnects_mid_stream_aborts_its_generation(servers, reference, caplog):
+def test_a_client_that_disconnects_mid_stream_aborts_its_generation(servers, reference):
     _, _, answer = reference
     client = servers["hybrid"]
+    before = len(client.logged())
     connection = http.client.HTTPConnection("127.0.0.1", client.port, timeout=60)
     body = client.body(PROMPTS[3], 900, stream=True, temperature=0)
-    with caplog.at_level(logging.INFO, logger="hybrid.serving"):
-        connection.request("POST", "/v1/chat/completions", json.dumps(body), {"content-type": "application/json"})
-        response = connection.getresponse()
-        assert response.status == 200
-        assert response.readline().startswith(b"data: ")  # the stream has begun
-        connection.sock.shutdown(socket.SHUT_RDWR)
-        connection.close()
-        assert client.complete(PROMPTS[0], 12, temperature=0) == answer(PROMPTS[0], 12)
-    logged = re.findall(r"(\d+) tokens in", caplog.text)
+    connection.request("POST", "/v1/chat/completions", json.dumps(body), {"content-type": "application/json"})
+    response = connection.getresponse()
+    assert response.status == 200
+    assert response.readline().startswith(b"data: ")  # the stream has begun
+    connection.sock.shutdown(socket.SHUT_RDWR)
+    connection.close()
+    assert client.complete(PROMPTS[0], 12, temperature=0) == answer(PROMPTS[0], 12)
+    logged = re.findall(r"hybrid: .* drafter: (\d+) tokens in", client.logged()[before:])
     assert logged == ["12"]  # the abandoned request stopped without finishing its 900 tokens
 
 
 # --------------------------------------------------------------------------- python -m hybrid serve
 
 
-def test_hybrid_serve_runs_transformers_serve_and_logs_each_request(served, reference, tmp_path):
+def test_hybrid_serve_logs_each_request(servers, reference):
     _, _, answer = reference
-    port = free_port()
-    log = tmp_path / "server.log"
-    env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", HF_HUB_DISABLE_UPDATE_CHECK="1")
-    with log.open("w") as out:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "hybrid", "serve", str(served), "--host", "127.0.0.1", "--port", str(port)],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-    try:
-        wait_healthy(port, process)
-        client = Client(port, str(served))
-        assert client.complete(PROMPTS[0], 10, temperature=0) == answer(PROMPTS[0], 10)
-        status, data = client.post(without(client.body(PROMPTS[0], 10), "messages"))  # request_rules are in place
-        assert status == 400 and b"messages is required" in data
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
+    client = servers["hybrid"]
+    before = len(client.logged())
+    assert client.complete(PROMPTS[0], 10, temperature=0) == answer(PROMPTS[0], 10)
     assert re.search(
         r"hybrid: prompt-lookup drafter: 10 tokens in \d+ verifier forwards: tau [0-9.]+, [0-9.]+ tok/s",
-        log.read_text(),
+        client.logged()[before:],
     )
 
 
@@ -485,6 +491,9 @@ def test_hybrid_serve_refuses_what_would_bypass_hybrid(served, monkeypatch):
 
     with pytest.raises(SystemExit, match=r"--continuous-batching serves requests without model.generate"):
         cli.main(["serve", str(served), "--", "--continuous-batching"])
+    for extra in (["--api-server-count", "2"], ["--api-server-count=3"]):
+        with pytest.raises(SystemExit, match=r"--api-server-count [23]: .* hybrid's request rules do not reach"):
+            cli.main(["serve", str(served), "--", *extra])
     with pytest.raises(SystemExit):  # a folder's drafter is fixed when it is exported
         cli.main(["serve", str(served), "--drafter", "none"])
     with pytest.raises(SystemExit, match=r"has no custom_generate/generate.py: write the folder with"):

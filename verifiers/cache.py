@@ -559,11 +559,20 @@ def mask_problem(text_config) -> str | None:
     return None
 
 
+# Recurrent models whose config names no layer types: the names transformers' own generate checks
+# (`_supports_default_dynamic_cache`); from 5.25 no model sets `_is_stateful`.
+_RECURRENT_NAMES = ("rwkv", "xlstm")
+
+
 def keeps_recurrent_state(model) -> bool:
-    """Whether `model` keeps state that cropping cannot roll back: a stateful model (Mamba, RWKV) or linear-attention
-    / Mamba layers among its layer types."""
+    """Whether `model` keeps state that cropping cannot roll back: a stateful model (Mamba, RWKV, xLSTM), or
+    linear-attention / Mamba / recurrent layers among its layer types."""
     types = getattr(model.config.get_text_config(), "layer_types", None) or []
-    return getattr(model, "_is_stateful", False) or any("linear" in t or "mamba" in t for t in types)
+    return (
+        getattr(model, "_is_stateful", False)  # transformers < 5.25
+        or any("linear" in t or "mamba" in t or "recurrent" in t for t in types)
+        or any(name in type(model).__name__.lower() for name in _RECURRENT_NAMES)
+    )
 
 
 def cache_feed_problem(model, width: int) -> str | None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+import os
+import sys
 import threading
 import weakref
 from pathlib import Path
@@ -19,9 +21,15 @@ from transformers import GenerationMixin
 
 import hybrid
 from drafters import Drafter
+from verifiers import CacheMemoryError
 
 # One line per call: tokens, verifier forwards, tau and tokens/s (`python -m hybrid serve` prints them).
 logger = logging.getLogger("hybrid.serving")
+
+# Set to "1" by `python -m hybrid serve` for its process and those transformers serve starts (from 5.25 a model
+# decodes in a process of its own, which inherits the environment and nothing else): there each call's line goes to
+# stderr, and what hybrid refuses in a request is raised as a ValueError, which transformers serve answers 400.
+SERVED = "HYBRID_SERVED"
 
 DRAFTER_NAMES = ("default", "block", "prompt-lookup", "none")
 
@@ -67,9 +75,28 @@ def generate(*args, model=None, drafter: str | Drafter | None = "default", **kwa
         # weights and the online store, which is how a request learns from the ones before it.
         drafter = drafter.fork() if drafter is not None else None
     return_stats = kwargs.pop("return_stats", False)
-    output, stats = hybrid.generate(model, drafter=drafter, return_stats=True, **kwargs)
+    served = os.environ.get(SERVED) == "1"
+    if served:
+        log_each_call()
+    try:
+        output, stats = hybrid.generate(model, drafter=drafter, return_stats=True, **kwargs)
+    except (TypeError, CacheMemoryError) as error:  # a setting of the wrong kind, a length that cannot be cached
+        if not served:
+            raise
+        raise ValueError(str(error)) from error  # the request's fault: transformers serve passes on a ValueError
     logger.info("%s drafter: %s", label, stats.summary())
     return (output, stats) if return_stats else output
+
+
+def log_each_call() -> None:
+    """Print the "hybrid.serving" lines (each call's statistics, the server's notes) to stderr, once a process."""
+    if logger.handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("hybrid: %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
 
 
 def cached_drafter(model, name: str) -> Drafter | None:
