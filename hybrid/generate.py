@@ -240,6 +240,7 @@ def generate(
     )
     config, unknown = model._prepare_generation_config(generation_config, **kwargs)
     unknown = {k: v for k, v in unknown.items() if k not in ("output_attentions", "output_hidden_states")}
+    _drop_logits_to_keep(model, unknown)
     if unknown:
         raise TypeError(
             f"hybrid.generate got unsupported argument(s) {sorted(unknown)}: they are neither generation "
@@ -482,6 +483,24 @@ def _reject_unsupported_kwargs(model, kwargs: dict) -> None:
         raise TypeError(
             f"hybrid.generate does not support argument(s) {other}: it owns the cache and the inputs are token ids"
         )
+
+
+def _drop_logits_to_keep(model, unknown: dict) -> None:
+    """`generate` passes `logits_to_keep` to a model that takes it (1 unless told otherwise) and reads the last
+    position's logits: the same tokens for any count (0: all positions). hybrid scores every position it verifies, so
+    a count asks for nothing it would change; a tensor of positions, which can leave out the last, is refused."""
+    if "logits_to_keep" not in unknown:
+        return
+    value = unknown["logits_to_keep"]
+    if not model._supports_logits_to_keep():
+        return  # refused with the other unknown arguments, as `generate` refuses what the model does not take
+    if not (_is_int(value) and value >= 0):
+        raise TypeError(
+            f"logits_to_keep={value!r}: hybrid takes a count of last positions (0: all), which leaves the tokens as "
+            "they are; positions given as a tensor make `generate` read the last one kept, not the sequence's: "
+            "pass a count or drop it"
+        )
+    del unknown["logits_to_keep"]
 
 
 def _check_config(config: GenerationConfig) -> None:

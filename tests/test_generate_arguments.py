@@ -149,6 +149,25 @@ def test_every_generate_parameter_at_its_off_value_is_accepted():
     assert torch.equal(out, expected)
 
 
+@pytest.mark.parametrize("count", [0, 1, 5])
+def test_a_count_of_logits_to_keep_decodes_as_generate(count):
+    """`generate` reads the last position's logits whatever count it keeps (0: all), so its tokens do not change."""
+    check_greedy_lossless(MODEL, PROMPT, PromptLookupDrafter(), max_new_tokens=12, logits_to_keep=count)
+
+
+def test_logits_to_keep_as_positions_is_refused():
+    """Positions that leave out the last make `generate` read another position's logits: its tokens change."""
+    positions, prompt = torch.tensor([0]), torch.tensor([[1, 2, 3, 4, 5, 6]])
+    expected = MODEL.generate(prompt, max_new_tokens=4, do_sample=False)
+    assert not torch.equal(
+        MODEL.generate(prompt, max_new_tokens=4, do_sample=False, logits_to_keep=positions), expected
+    )
+    with pytest.raises(
+        TypeError, match=r"logits_to_keep=tensor\(\[0\]\): hybrid takes a count .* pass a count or drop"
+    ):
+        hybrid.generate(MODEL, prompt, drafter=None, max_new_tokens=4, do_sample=False, logits_to_keep=positions)
+
+
 @pytest.mark.parametrize(
     "name, value, message",
     [
