@@ -142,9 +142,10 @@ def test_each_call_logs_tau_and_tokens_per_second(reference, caplog):
     assert re.search(r"no drafter: 6 tokens in 6 verifier forwards: tau 1\.00, [0-9.]+ tok/s", caplog.text)
 
 
-def test_served_the_glue_raises_a_refusal_as_the_requests_fault(reference, monkeypatch):
+def test_served_the_glue_raises_a_refusal_as_the_requests_fault(reference, monkeypatch, capsys):
     """Under `python -m hybrid serve` (HYBRID_SERVED=1, inherited by the process a server decodes in) what hybrid
-    refuses is a ValueError, which transformers serve answers 400; a library caller gets hybrid's own error."""
+    refuses is a ValueError, which transformers serve answers 400, and each call prints its line; a library caller
+    gets hybrid's own error."""
     from hybrid.custom_generate.generate import SERVED, logger
 
     for name in ("handlers", "propagate", "level"):  # served, the glue prints its lines: left as found afterwards
@@ -158,6 +159,8 @@ def test_served_the_glue_raises_a_refusal_as_the_requests_fault(reference, monke
         glue_generate(ids, model=model, drafter="none", max_new_tokens=4, top_k="5")
     with pytest.raises(ValueError, match=r"needs .* of cache .* lower max_new_tokens"):
         glue_generate(ids, model=model, drafter="none", max_new_tokens=10**9)
+    glue_generate(ids, model=model, drafter="none", max_new_tokens=3)  # and each call's line goes to stderr
+    assert re.search(r"hybrid: no drafter: 3 tokens in 3 verifier forwards: tau 1\.00", capsys.readouterr().err)
 
 
 def test_export_refuses_what_it_cannot_serve(verifier_dir, tmp_path):
