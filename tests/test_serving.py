@@ -8,13 +8,9 @@ import gc
 import http.client
 import json
 import logging
-import os
 import re
 import socket
-import subprocess
-import sys
 import threading
-import time
 import urllib.error
 import urllib.request
 import weakref
@@ -35,7 +31,6 @@ from hybrid.testing import tiny_model
 pytest.importorskip("fastapi", reason="the serving extra: pip install -e '.[serving]'")
 pytest.importorskip("openai", reason="the serving extra: pip install -e '.[serving]'")
 
-REPO = Path(__file__).resolve().parent.parent
 CHAT_TEMPLATE = (
     "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<assistant>{% endif %}"
@@ -212,25 +207,6 @@ def test_the_export_command_writes_the_folder(verifier_dir, tmp_path, capsys):
 # --------------------------------------------------------------------------- through transformers serve
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def wait_healthy(port: int, process: subprocess.Popen | None = None, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert process is None or process.poll() is None, "the server exited while starting"
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.2)
-    raise TimeoutError(f"no server on port {port} after {timeout} s")
-
-
 class Client:
     """Chat requests to one served folder on loopback, read as raw HTTP (status, SSE events), and the server's log."""
 
@@ -274,53 +250,25 @@ class Client:
         return text, events
 
 
-def start_server(command: list[str], folder: Path, log: Path) -> tuple[subprocess.Popen, int]:
-    """`command` (a server's command line, before the folder) serving `folder` on a free loopback port, its output
-    going to `log`; returns once it answers."""
-    port = free_port()
-    env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", HF_HUB_DISABLE_UPDATE_CHECK="1")
-    with log.open("w") as out:
-        process = subprocess.Popen(
-            [*command, str(folder), "--device", "cpu", "--host", "127.0.0.1", "--port", str(port)],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-    try:
-        wait_healthy(port, process)
-    except BaseException:
-        stop_server(process)
-        raise
-    return process, port
-
-
-def stop_server(process: subprocess.Popen) -> None:
-    process.terminate()
-    try:
-        process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-
-
-PLAIN_SERVE = [sys.executable, "-c", "from transformers.cli.transformers import main; main()", "serve"]
-
-
 @pytest.fixture(scope="module")
 def servers(served, tmp_path_factory):
     """The served folder behind `python -m hybrid serve` (trust_remote_code and hybrid's request rules) and behind
-    plain `transformers serve` (neither), each a process of its own whose output is its client's log."""
+    plain `transformers serve` (neither), each a process of its own (`experiments.serving.Server`) whose output is
+    its client's log."""
+    from experiments.serving import Server
+
     logs = tmp_path_factory.mktemp("server-logs")
-    processes, clients = [], {}
+    started, clients = [], {}
     try:
-        for name, command in (("hybrid", [sys.executable, "-m", "hybrid", "serve"]), ("plain", PLAIN_SERVE)):
-            process, port = start_server(command, served, logs / f"{name}.log")
-            processes.append(process)
-            clients[name] = Client(port, str(served), logs / f"{name}.log")
+        for name in ("hybrid", "plain"):
+            server = Server(name, served, "cpu", logs / f"{name}.log")
+            started.append(server)
+            server.wait_ready(timeout=120)
+            clients[name] = Client(server.port, str(served), server.log)
         yield clients
     finally:
-        for process in processes:
-            stop_server(process)
+        for server in started:
+            server.stop()
 
 
 def test_greedy_text_through_the_server_equals_hybrid_generate(servers, reference):
