@@ -6,7 +6,8 @@
 Each model type is built as a tiny random model from its config's defaults (shrunk: 2 layers, width 32, 96
 tokens) and decoded by `model.generate` and by `hybrid.generate`: greedy with prompt lookup, a perturbed copy of
 the verifier's own continuation, a token tree around it and an adversarial drafter; sampled under one seed; a
-left-padded batch of two prompts; and the static path where the model takes per-row masks. The verdict is
+left-padded batch of two prompts; the static path where the model takes per-row masks; and a prompt grown across
+each of the model's position switches (`position_switches`), with no drafter and with prompt lookup. The verdict is
 `equal` (every check gave `generate`'s tokens, up to the near-tie and boundary-draw contracts of
 `hybrid.testing`), `refused` (hybrid raised an error that names why; a refused batch or static path is noted
 beside an `equal`), `differs` (a silent difference: a bug), `hybrid error` (hybrid failed inside a check, an
@@ -118,6 +119,13 @@ _QWEN4_EXP_TEXT = dict(
 # What some types need beyond SHRINK for their tiny config to build ("text_config.x": a sub-config's field). A
 # hybrid model (bamba, jamba, nemotron_h, zamba...) gets one recurrent and one attention layer: the defaults' first
 # two are both recurrent.
+_LONGROPE = dict(
+    rope_type="longrope",
+    rope_theta=10000.0,
+    original_max_position_embeddings=64,
+    short_factor=[1.0, 1.2, 1.5, 2.0],
+    long_factor=[3.0, 5.0, 8.0, 13.0],
+)
 OVERRIDES = {
     "axk1": dict(n_group=1, topk_group=1),  # expert groups that divide the 4 experts
     "bamba": dict(attn_layer_indices=[1]),
@@ -178,6 +186,13 @@ OVERRIDES = {
     ),
     "inkling2_text": _INKLING2_TEXT,
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1),
+    # LongRoPE, as the long-context checkpoints have it (Phi-3-mini-128k, Phi-3.5): their generate re-reads the
+    # sequence with the long factors once it grows past original_max_position_embeddings
+    "phi3": dict(original_max_position_embeddings=64, rope_parameters=_LONGROPE),
+    "phi4_multimodal": dict(original_max_position_embeddings=64, rope_parameters=_LONGROPE),
+    "phimoe": dict(
+        original_max_position_embeddings=64, rope_parameters=dict(_LONGROPE, short_mscale=1.0, long_mscale=1.2)
+    ),
     "lfm2_moe": dict(layer_types=["full_attention", "full_attention"], num_dense_layers=1),
     "longcat_flash": dict(
         qk_head_dim=16, ffn_hidden_size=64, expert_ffn_hidden_size=32, zero_expert_num=2, moe_topk=2, num_layers=1
@@ -217,6 +232,7 @@ OVERRIDES = {
         adapter_rank=8,
     ),
 }
+SWITCH_LIMIT = 4200  # the longest prompt grown across a switch (Phi-3's default 4096 original positions included)
 TIME_LIMIT_S = 240
 MEMORY_LIMIT_BYTES = 12 * 2**30
 
@@ -337,6 +353,15 @@ def judge(model_type: str) -> dict:
             notes.append(f"{name} refused: {error}")
         except Exception as error:
             return {"verdict": "hybrid error", "detail": f"{name}: {type(error).__name__}: {error}"}
+    for switch in position_switches(model):
+        try:
+            finding = _check_across(model, switch, generator)
+        except Exception as error:
+            return {"verdict": "hybrid error", "detail": f"across {switch}: {type(error).__name__}: {error}"}
+        if finding and finding.startswith("differs"):
+            differs.append(finding.removeprefix("differs "))
+        elif finding:
+            notes.append(finding)
     no_static = row_mask_problem(model)
     if no_static is None:
         try:
@@ -352,6 +377,59 @@ def judge(model_type: str) -> dict:
     if differs:
         return {"verdict": "differs", "detail": "; ".join(differs)}
     return {"verdict": "equal", "detail": "; ".join(notes)}
+
+
+def position_switches(model) -> list[int]:
+    """The positions at which a model's decoding may change what it computes, up to SWITCH_LIMIT: its rotary
+    embeddings' switches and the position limits, windows and chunks its text config names (where a model's own
+    `generate` re-reads the sequence, as Phi-3's does at original_max_position_embeddings)."""
+    from verifiers.positions import rope_switches
+
+    text = model.config.get_text_config()
+    found = {switch.at for switch in rope_switches(model)}
+    rope = getattr(text, "rope_parameters", None) or {}
+    names = ("original_max_position_embeddings", "max_position_embeddings", "sliding_window", "attention_chunk_size")
+    for part in [text.to_dict(), rope, *(value for value in rope.values() if isinstance(value, dict))]:
+        for name in names:
+            value = part.get(name)
+            if isinstance(value, int) and 2 < value <= SWITCH_LIMIT:
+                found.add(value)
+    return sorted(found)
+
+
+def _check_across(model, switch: int, generator) -> str | None:
+    """Grow a prompt across `switch`, greedy with no drafter and with prompt lookup: None where both equal
+    `generate`'s tokens; else what differs ("differs ...") or what was refused."""
+    from drafters import PromptLookupDrafter
+    from hybrid.testing import check_greedy_lossless
+
+    prompt = grown_prompt(switch, generator)
+    settings = dict(max_new_tokens=8, pad_token_id=0)
+    try:
+        model.generate(prompt, do_sample=False, **settings)
+    except Exception as error:
+        return f"across {switch}: generate fails ({type(error).__name__})"
+    for drafter in (None, PromptLookupDrafter()):
+        try:
+            check_greedy_lossless(model, prompt, drafter, **settings)
+        except AssertionError as error:
+            if not _a_checks_finding(error):
+                raise
+            return f"differs across {switch}: {str(error).splitlines()[0]}"
+        except (ValueError, TypeError) as error:
+            return f"across {switch} refused: {error}"
+    return None
+
+
+def grown_prompt(switch: int, generator):
+    """A prompt that ends 3 tokens before `switch`, with a repeat for prompt lookup to copy."""
+    import torch
+
+    length = max(1, switch - 3)
+    prompt = torch.randint(2, VOCAB, (1, length), generator=generator)
+    if length >= 8:
+        prompt[0, -4:] = prompt[0, :4]
+    return prompt
 
 
 def _a_checks_finding(error: AssertionError) -> bool:

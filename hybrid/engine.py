@@ -202,6 +202,9 @@ def decode(
             )
         schedule_time = clock.lap()
         passes = steps if any(i < stages for i in pass_stages) else 0  # 0: no stage that takes passes ran
+        for row in active:  # where the model's `generate` drops its cache and re-reads the sequence, so does this
+            if verifier.rereads_at(row.index):
+                verifier.reread(row.unmasked_ids())
         _draft(drafter, active, budget, steps, stages, verifier, do_sample, draft_rng)
         draft_time = clock.lap()
         ks = scheduler.select_batch([row.draft for row in active])

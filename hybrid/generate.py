@@ -625,6 +625,8 @@ def _check_context(verifier: Verifier, prompt_len: int, max_length: int | float,
     Rotary and ALiBi models have no such end: like `generate`, hybrid goes on past max_position_embeddings. Refuse a
     batch that would reach a switch of a rotary embedding whose frequencies follow the batch's longest row."""
     limit, model = verifier.max_positions, verifier.model
+    masked = attention_mask is not None and not bool(attention_mask.all())
+    verifier.plan_rereads(prompt_len, math.ceil(max_length), masked, batch)
     if batch > 1 and verifier.rope_switches:
         longest = prompt_len if attention_mask is None else int(attention_mask.sum(-1).max())
         problem = crossing_problem(verifier.rope_switches, longest + math.ceil(max_length) - prompt_len)

@@ -147,6 +147,85 @@ def test_a_batch_that_would_reach_a_rotary_switch_is_refused():
         hybrid.generate(model, ids, drafter=PromptLookupDrafter(), max_new_tokens=13, **settings)
 
 
+LONGROPE_AT = 24  # original_max_position_embeddings of the Phi-3 models below
+
+
+def tiny_phi(kind: str, seed: int = 0):
+    """A tiny Phi-3 or PhiMoE with LongRoPE past LONGROPE_AT, as Phi-3-mini-128k and Phi-3.5 have it: its
+    `prepare_inputs_for_generation` drops the cache there and re-reads the sequence with the long factors."""
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": LONGROPE_AT}
+    rope |= {"short_factor": [1.0, 1.2, 1.5, 2.0], "long_factor": [3.0, 5.0, 8.0, 13.0]}
+    if kind == "phimoe":
+        rope |= {"short_mscale": 1.0, "long_mscale": 1.2}
+    sizes = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    sizes |= dict(num_key_value_heads=4, max_position_embeddings=96, original_max_position_embeddings=LONGROPE_AT)
+    config_class, model_class = {
+        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+        "phimoe": (transformers.PhimoeConfig, transformers.PhimoeForCausalLM),
+    }[kind]
+    extra = dict(num_local_experts=4, num_experts_per_tok=2) if kind == "phimoe" else {}
+    config = config_class(**sizes, **extra, rope_parameters=rope, initializer_range=0.3, pad_token_id=0)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return model_class(config).eval()
+
+
+@pytest.mark.parametrize("kind", ["phi3", "phimoe"])
+def test_a_model_whose_generate_rereads_the_sequence_at_a_position_decodes_as_generate(kind):
+    """Phi-3's and PhiMoE's `generate` drop the cache once the sequence grows past LONGROPE_AT and re-read it with
+    LongRoPE's long factors: hybrid re-reads there too, with every drafter, greedy and sampled, on both layouts."""
+    model = tiny_phi(kind)
+    for prompt_len in (20, 24):
+        prompt = torch.randint(2, 128, (1, prompt_len), generator=torch.Generator().manual_seed(prompt_len))
+        drafters = [None, PromptLookupDrafter(), AdversarialDrafter(128, None, prompt_len)]
+        drafters.append(RandomTreeDrafter(128, None, prompt_len, guide=PromptLookupDrafter()))
+        for drafter in drafters:
+            kwargs = {"max_new_tokens": 12, "pad_token_id": 0}
+            report = check_greedy_lossless(model, prompt, drafter, **kwargs)
+            assert report.near_tie_at is None
+            if not isinstance(drafter, RandomTreeDrafter):
+                check_sampled_identical(model, prompt, drafter, prompt_len, **kwargs)
+        check_greedy_lossless(
+            model, prompt, PromptLookupDrafter(), hybrid_kwargs={"cache_implementation": "static"}, **kwargs
+        )
+
+
+def test_a_batch_or_a_padded_prompt_that_would_reach_a_reread_is_refused():
+    """`generate` re-reads at a length that counts a row's padding, which hybrid's rows do not share: refused by
+    name where a call would reach it, served where it stays short of it."""
+    model = tiny_phi("phi3")
+    ids, mask = torch.tensor([[0, 5, 6, 7], [4, 5, 6, 7]]), torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
+    settings = {"attention_mask": mask, "pad_token_id": 0, "do_sample": False}
+    assert torch.equal(
+        hybrid.generate(model, ids, drafter=PromptLookupDrafter(), max_new_tokens=20, **settings),
+        model.generate(ids, max_new_tokens=20, **settings),
+    )
+    with pytest.raises(ValueError, match=r"re-reads the whole sequence.*past 24 tokens.*one unpadded prompt"):
+        hybrid.generate(model, ids, drafter=PromptLookupDrafter(), max_new_tokens=30, **settings)
+    settings["attention_mask"] = mask[:1]
+    with pytest.raises(ValueError, match=r"re-reads the whole sequence.*past 24 tokens"):
+        hybrid.generate(model, ids[:1], drafter=None, max_new_tokens=30, **settings)
+
+
+class ShiftingStepLlama(transformers.LlamaForCausalLM):
+    """A model whose `generate` feeds its steps something else than their token past position 10."""
+
+    def prepare_inputs_for_generation(self, input_ids, **kwargs):
+        inputs = super().prepare_inputs_for_generation(input_ids, **kwargs)
+        if input_ids.shape[1] > 10:
+            inputs["input_ids"] = (inputs["input_ids"] + 1) % self.config.vocab_size
+        return inputs
+
+
+def test_a_model_whose_generate_feeds_other_step_inputs_is_refused_where_it_would():
+    config = tiny_model("llama", 64, 2, seed=0).config
+    model = ShiftingStepLlama(config).eval()
+    prompt = torch.tensor([[1, 2, 3, 4, 5]])
+    check_greedy_lossless(model, prompt, PromptLookupDrafter(), max_new_tokens=5, pad_token_id=0)
+    with pytest.raises(ValueError, match=r"other inputs than the newest token at position 10.*input_ids"):
+        hybrid.generate(model, prompt, drafter=None, max_new_tokens=10, pad_token_id=0)
+
+
 @pytest.mark.parametrize("arch", ["gpt2", "opt"])
 def test_learned_position_table_bounds_the_call(arch):
     """Past a learned table `generate` fails with IndexError mid-way; hybrid refuses up front, naming the fix."""

@@ -33,6 +33,7 @@ from verifiers.cache import (
 )
 from verifiers.kernels import chosen_kernels, cpu_linears, forget_changed_weights, prepare_linears
 from verifiers.positions import positions_room, rope_switches
+from verifiers.step_inputs import rereads
 from verifiers.verdicts import built_of_own_modules, least_precise_dtype, probe_tokens, probed
 
 STATIC_CAPACITY_STEP = 256  # static caches are sized in multiples of this many slots
@@ -298,6 +299,8 @@ class Verifier:
         # Rotary embeddings whose frequencies follow a forward's last position (`verifiers.positions`): every forward
         # keeps its positions on one side of their switches.
         self.rope_switches = rope_switches(model)
+        # Positions at which the model's `generate` drops its cache and re-reads the sequence (`plan_rereads`).
+        self.rereads: list[int] = []
         if static and self.row_mask_problem:
             raise ValueError(
                 f"cache_implementation='static' reads the cache through hybrid's own per-row masks, and "
@@ -533,8 +536,44 @@ class Verifier:
 
     def positions_room(self, row: int = 0) -> int | None:
         """How many tokens past its pending one a forward may feed for `row` (None: any number): where a rotary
-        embedding switches frequencies by a forward's last position, the forward stays on one side of the switch."""
-        return positions_room(self.rope_switches, self.length(row)) if self.rope_switches else None
+        embedding switches frequencies by a forward's last position, the forward stays on one side of the switch,
+        and a forward ends before a position at which `generate` re-reads the sequence."""
+        position = self.length(row)
+        room = positions_room(self.rope_switches, position) if self.rope_switches else None
+        ahead = [q - position - 1 for q in self.rereads if q > position]
+        return min([room] + ahead if room is not None else ahead) if ahead else room
+
+    def plan_rereads(self, prompt_len: int, max_length: int, masked: bool, rows: int) -> None:
+        """Find where, for a prompt of `prompt_len` tokens decoded to `max_length`, the model's `generate` drops its
+        cache and re-reads the sequence in one forward (`verifiers.step_inputs`), so that the engine re-reads there
+        too (`reread`). Its hook counts the sequence with its padding, which rows decoded here do not share: a batch
+        or a masked prompt that reaches such a position is refused."""
+        self.rereads = rereads(self.model, prompt_len, max_length)
+        if self.rereads and (rows > 1 or masked):
+            raise ValueError(
+                f"{type(self.model).__name__}.generate drops its cache and re-reads the whole sequence, padding "
+                f"included, once it grows past {self.rereads[0]} tokens, which rows decoded here reach at other steps "
+                f"than in model.generate: pass one unpadded prompt per call, or keep the prompt plus max_new_tokens "
+                f"within {self.rereads[0]} tokens"
+            )
+
+    def rereads_at(self, row: int = 0) -> bool:
+        """Whether `row`'s pending token sits where `generate` re-reads the sequence (`reread`)."""
+        return self.length(row) in self.rereads
+
+    @torch.inference_mode()
+    def reread(self, sequence: torch.Tensor) -> None:
+        """Do what `generate` does where the model's hook drops its cache: the committed sequence [1, n] (pending
+        token last) is fed again in one forward on an emptied cache, whose last position decides the rotary
+        frequencies of them all (LongRoPE's long factors, for Phi-3). The pending token's slot is then dropped: the
+        step's verify feeds it, with its drafts, as any other step does."""
+        if len(self.cache.lengths) != 1 or sequence.shape[1] != self.length(0) + 1:
+            raise ValueError(f"a reread takes one row's whole sequence, got {tuple(sequence.shape)}")
+        self.cache.rollback([self.length(0)])
+        self._forward(
+            sequence, [sequence.shape[1]], logits_to_keep=1 if self._supports_logits_to_keep else 0, prefill=True
+        )
+        self.cache.rollback([1])
 
     def length(self, row: int = 0) -> int:
         """Tokens cached for `row`: also the position id its next fed token gets."""
