@@ -398,7 +398,8 @@ def warm_up_first(app, model_manager):
 
     @contextlib.asynccontextmanager
     async def warmed_lifespan(app):
-        for model_id, engine in list(model_manager.engines.items()):
+        engines = getattr(model_manager, "engines", {})  # transformers >= 5.25: the model's process, loaded already
+        for model_id, engine in [(m, e) for m, e in engines.items() if hasattr(e, "submit")]:
             logger.info(
                 "measuring %s's verify costs and kernels before serving (once per machine, then cached on disk)",
                 model_id,
@@ -523,6 +524,11 @@ def serve(folder: str | Path, device: str, host: str, port: int, transformers_ar
         )
     os.environ[SERVED] = "1"  # for this process and the ones transformers serve starts
     log_each_call()
+    logger.info(
+        "unlike plain transformers serve: a request field it would ignore is refused by name unless at its off value "
+        "(logit_bias is honoured), temperature above 2 and seeds outside torch's range are refused, every refusal is "
+        "OpenAI's error object, answers end before their stop sequence, a temperature above 0 samples"
+    )
 
     from transformers.cli.transformers import app
 

@@ -536,6 +536,7 @@ def test_hybrid_serve_measures_before_it_is_ready(servers):
     logged = servers["hybrid"].logged()
     assert re.search(r"hybrid: measuring .* verify costs and kernels before serving", logged)
     assert logged.index("hybrid: measured in") < logged.index("Application startup complete")
+    assert "hybrid: unlike plain transformers serve: a request field it would ignore is refused by name" in logged
 
 
 def test_a_client_that_disconnects_mid_stream_aborts_its_generation(servers, reference):
