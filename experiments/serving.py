@@ -48,14 +48,15 @@ def server_command(name: str, folder: Path, device: str, port: int) -> list[str]
 
 
 class Server:
-    """One server process on a free loopback port, its output in `log`; `stop` ends it (and only it)."""
+    """One server process on a free loopback port, its output in `log`, `env` added to its environment; `stop` ends
+    it (and only it)."""
 
-    def __init__(self, name: str, folder: Path, device: str, log: Path):
+    def __init__(self, name: str, folder: Path, device: str, log: Path, env: dict[str, str] | None = None):
         self.name, self.log = name, log
         with socket.socket() as probe:  # a free port: bind to 0 and read what the kernel chose
             probe.bind((HOST, 0))
             self.port = probe.getsockname()[1]
-        env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_DISABLE_UPDATE_CHECK="1")
+        env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_DISABLE_UPDATE_CHECK="1", **(env or {}))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
         log.parent.mkdir(parents=True, exist_ok=True)
         self._log_file = log.open("a")

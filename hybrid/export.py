@@ -75,6 +75,18 @@ def glue_source(drafter: str) -> str:
     return GLUE_TEMPLATE.format(mark=GLUE_MARK, drafter=drafter, repo=Path(__file__).resolve().parent.parent)
 
 
+def served_drafter(folder: str | Path) -> str:
+    """The drafter the served folder `folder` names in its custom_generate/generate.py (`glue_source`)."""
+    import ast
+
+    for statement in ast.parse((Path(folder) / GLUE).read_text()).body:
+        if isinstance(statement, ast.Assign) and [t.id for t in statement.targets if isinstance(t, ast.Name)] == [
+            "DRAFTER"
+        ]:
+            return ast.literal_eval(statement.value)
+    raise ValueError(f"{Path(folder) / GLUE} names no DRAFTER: write the folder with `python -m hybrid export-served`")
+
+
 def _prepare(out: Path) -> None:
     """Make `out` an empty folder, refusing to clear one that export-served did not write."""
     if out.exists():

@@ -3,8 +3,10 @@ completions, streaming or not).
 
 It serves a folder written by `hybrid.export` (by default the embedded verifier with the chosen drafter, exported
 once into the cache) with `--trust-remote-code`, so every request's `model.generate` is `hybrid.generate`, and
-prints each request's tau and tokens/s. Everything else is transformers' own server, with two request rules on
-top (`request_rules`): a bad request is answered 400 with the reason, and a temperature above 0 samples.
+prints each request's tau and tokens/s. Everything else is transformers' own server, with request rules on top
+(`request_rules`): every field a request may send is honoured or refused by name (`FIELDS`), a bad request is
+answered 400 with OpenAI's error object, a temperature above 0 samples, a stop sequence is left out of the answer, and
+the model measures what its first call would (verify costs, kernels) before the server answers /health.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import logging
 import numbers
 import os
 import sys
+import time
 from pathlib import Path
 
 from hybrid.custom_generate import DRAFTER_NAMES
@@ -40,7 +43,8 @@ logger = logging.getLogger("hybrid.serving")
 @contextlib.contextmanager
 def request_rules():
     """While `transformers serve` builds its app here, give its chat, text and responses handlers hybrid's request
-    rules (`check_request`, `sample_as_asked`) and make the app answer what it refuses (`answer_failures`)."""
+    rules (`add_request_rules`), make the app answer what it refuses (`answer_failures`) and warm its model up before
+    it serves (`warm_up_first`)."""
     from transformers.cli.serving import server
 
     build_server = server.build_server
@@ -48,9 +52,14 @@ def request_rules():
 
     def build_with_rules(*args, **kwargs):
         handlers = signature.bind(*args, **kwargs).arguments
-        for name in ("chat_handler", "completion_handler", "response_handler"):
-            add_request_rules(handlers[name], chat=name == "chat_handler")
-        return answer_failures(build_server(*args, **kwargs))
+        for name, endpoint in (
+            ("chat_handler", "chat"),
+            ("completion_handler", "text"),
+            ("response_handler", "responses"),
+        ):
+            add_request_rules(handlers[name], endpoint)
+        app = answer_failures(build_server(*args, **kwargs))
+        return warm_up_first(app, handlers["model_manager"])
 
     server.build_server = build_with_rules
     try:
@@ -59,24 +68,39 @@ def request_rules():
         server.build_server = build_server
 
 
-def add_request_rules(handler, chat: bool) -> None:
-    """Check each request before transformers reads it, and sample where it asks for a temperature above 0."""
+def add_request_rules(handler, endpoint: str) -> None:
+    """Check each request before transformers reads it, sample where it asks for a temperature above 0, pass on its
+    logit_bias, refuse tools its chat template would drop, and end its answer before a stop sequence."""
     validate = handler._validate_request
 
     def validate_request(body: dict) -> None:
         validate(body)  # transformers' own: unknown fields are a 422
-        check_request(body, chat)
+        check_request(body, endpoint)
 
     handler._validate_request = validate_request
+    render = handler.render_messages
+
+    def render_messages(engine, messages: list, body: dict) -> dict:
+        check_tools_rendered(body, engine.processor)
+        return render(engine, messages, body)
+
+    handler.render_messages = render_messages
     if hasattr(handler, "_build_generation_kwargs"):  # transformers >= 5.25: a request's `generate` arguments
         build_kwargs = handler._build_generation_kwargs
 
         def build_generation_kwargs(body: dict, model_generation_config) -> dict:
             kwargs = build_kwargs(body, model_generation_config)
             kwargs["do_sample"] = sample_as_asked(body, kwargs.get("do_sample"))
+            if body.get("logit_bias"):  # OpenAI's: a bias added to each named token's logit
+                kwargs["sequence_bias"] = {(int(token),): float(bias) for token, bias in body["logit_bias"].items()}
+            elif body.get("logit_bias") == {}:  # asks for nothing (transformers passes it on, and generate refuses it)
+                kwargs.pop("sequence_bias", None)
             return kwargs
 
         handler._build_generation_kwargs = build_generation_kwargs
+        if endpoint != "responses":  # the Responses API has no stop sequences
+            for name in ("_streaming", "_non_streaming"):
+                setattr(handler, name, ending_before_stops(getattr(handler, name)))
     else:  # transformers < 5.25: a request's GenerationConfig
         build_config = handler._build_generation_config
 
@@ -88,27 +112,161 @@ def add_request_rules(handler, chat: bool) -> None:
         handler._build_generation_config = build_generation_config
 
 
-def check_request(body: dict, chat: bool) -> None:
-    """Raise ValueError (answered 400) on a field transformers would trip over with a bare 500: messages, token
-    counts, sampling numbers, seed, generation_config, stream."""
-    if chat:
+class RequestFieldError(ValueError):
+    """A request field hybrid refuses: answered 400 with OpenAI's error object, whose `param` names the field."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+# Fields of OpenAI's request schemas (those transformers' handlers let through) that hybrid's server honours, per
+# endpoint: read by transformers' handlers or by the rules here. Labels that ask nothing of the answer (user,
+# metadata, cache keys) count as honoured.
+LABELS = {"user", "metadata", "safety_identifier", "prompt_cache_key", "prompt_cache_retention", "prompt_cache_options"}
+HONOURED = {
+    "chat": {
+        "messages", "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stream",
+        "stream_options", "stop", "generation_config", "chat_template_kwargs", "tools", "logit_bias",
+    } | LABELS,
+    "text": {
+        "prompt", "model", "max_tokens", "temperature", "top_p", "seed", "stream", "stream_options", "stop",
+        "generation_config", "logit_bias",
+    } | LABELS,
+    "responses": {
+        "input", "model", "instructions", "max_output_tokens", "temperature", "top_p", "seed", "stream",
+        "generation_config", "tools",
+    } | LABELS,
+}  # fmt: skip
+
+
+def _zero(value) -> bool:
+    return _is_number(value) and value == 0
+
+
+def _is(*offs):
+    return lambda value: any(value == off and type(value) is type(off) for off in offs)
+
+
+# field -> (whether a value asks for nothing, what to do instead). Any other field not honoured is refused unless null.
+FIELDS = {
+    "n": (_is(1), "hybrid answers one choice per request: send n requests (sampled ones with different seeds)"),
+    "best_of": (_is(1), "hybrid answers one choice per request: leave best_of out"),
+    "logprobs": (_is(False), "hybrid's server returns no log-probabilities: leave logprobs out"),
+    "top_logprobs": (_zero, "hybrid's server returns no log-probabilities: leave top_logprobs out"),
+    "echo": (_is(False), "the answer does not repeat the prompt: leave echo out"),
+    "presence_penalty": (
+        _zero,
+        "OpenAI's presence and frequency penalties are not served (transformers serve turns frequency_penalty into "
+        "its multiplicative repetition_penalty, another rule): leave them at 0, or set generation_config's "
+        '"repetition_penalty" for that rule',
+    ),
+    "response_format": (
+        lambda value: value == {"type": "text"},
+        'hybrid decodes no structured output: leave response_format out or give {"type": "text"}',
+    ),
+    "text": (
+        lambda value: value == {"format": {"type": "text"}},
+        'hybrid decodes no structured output: leave text out or give {"format": {"type": "text"}}',
+    ),
+    "tools": (lambda value: value == [], "the model's chat template renders no tools"),
+    "tool_choice": (_is("auto"), 'the model calls a tool as its chat template lets it: leave tool_choice "auto"'),
+    "parallel_tool_calls": (_is(True), "the model calls tools as its chat template lets it: leave it true"),
+    "functions": (lambda value: value == [], "give tools instead (functions is OpenAI's deprecated form)"),
+    "function_call": (_is("auto"), "give tools instead (function_call is OpenAI's deprecated form)"),
+    "modalities": (lambda value: value == ["text"], 'hybrid answers text only: leave modalities out or ["text"]'),
+    "store": (_is(False), "hybrid's server keeps no answers: leave store out"),
+    "service_tier": (_is("auto", "default"), 'one tier is served: leave service_tier out or "auto"'),
+    "background": (_is(False), "requests are answered while the client waits: leave background out"),
+    "truncation": (_is("disabled"), 'a prompt too long is refused, never truncated: leave truncation "disabled"'),
+    "include": (lambda value: value == [], "hybrid's server returns nothing more: leave include out"),
+    "suffix": (
+        lambda value: False,
+        "hybrid decodes no fill-in-the-middle: the model would not see the suffix (transformers serve appends it to "
+        "the answer); leave suffix out",
+    ),
+}
+FIELDS["frequency_penalty"] = FIELDS["presence_penalty"]
+FIELDS["top_logprobs"] = (FIELDS["top_logprobs"][0], FIELDS["logprobs"][1])
+# A seed is torch's: any whole number from -2**63 to 2**64 - 1.
+SEEDS = range(-(2**63), 2**64)
+MAX_TEMPERATURE = 2  # OpenAI's bound: above it, OpenAI answers 400 (at 1e308 tokens are uniform noise)
+MAX_LOGIT_BIAS = 100  # OpenAI's bound: +-100 bans or forces a token
+
+
+def check_fields(body: dict, endpoint: str) -> None:
+    """Refuse, by name, a field the endpoint does not honour (`HONOURED`) unless it asks for nothing (`FIELDS`)."""
+    for name, value in body.items():
+        if name in HONOURED[endpoint] or value is None:
+            continue
+        asks_nothing, fix = FIELDS.get(name, (lambda value: False, f"leave {name} out"))
+        if not asks_nothing(value):
+            raise RequestFieldError(name, f"{name}={json.dumps(value)[:80]} is not served by hybrid: {fix}")
+
+
+def check_request(body: dict, endpoint: str) -> None:
+    """Raise ValueError (answered 400) on a field hybrid does not honour (`check_fields`) and on one transformers
+    would trip over with a bare 500 or decode wrongly: messages, token counts, sampling numbers, seed, stop, logit_bias,
+    generation_config, stream."""
+    check_fields(body, endpoint)
+    if endpoint == "chat":
         check_messages(body.get("messages"))
     for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         value = body.get(name)
         if value is not None and not (_is_number(value) and float(value).is_integer() and value >= 1):
-            raise ValueError(f"{name}={value!r}: ask for a whole number of new tokens, at least 1")
+            raise RequestFieldError(name, f"{name}={value!r}: ask for a whole number of new tokens, at least 1")
     temperature = body.get("temperature")
-    if temperature is not None and not (_is_number(temperature) and temperature >= 0):
-        raise ValueError(f"temperature={temperature!r}: give 0 (greedy) or a number above 0 (sample at it)")
+    if temperature is not None and not (_is_number(temperature) and 0 <= temperature <= MAX_TEMPERATURE):
+        raise RequestFieldError(
+            "temperature",
+            f"temperature={temperature!r}: give 0 (greedy) or a number above 0 up to {MAX_TEMPERATURE} (sample at it)",
+        )
     top_p = body.get("top_p")
     if top_p is not None and not (_is_number(top_p) and 0 < top_p <= 1):
-        raise ValueError(f"top_p={top_p!r}: give a number in (0, 1] (1: no nucleus filter)")
+        raise RequestFieldError("top_p", f"top_p={top_p!r}: give a number in (0, 1] (1: no nucleus filter)")
     seed = body.get("seed")
-    if seed is not None and not (isinstance(seed, int) and not isinstance(seed, bool)):
-        raise ValueError(f"seed={seed!r}: give a whole number")
+    if seed is not None and not (isinstance(seed, int) and not isinstance(seed, bool) and seed in SEEDS):
+        raise RequestFieldError("seed", f"seed={seed!r}: give a whole number from -2**63 to 2**64 - 1")
     if body.get("stream") is not None and not isinstance(body["stream"], bool):
-        raise ValueError(f"stream={body['stream']!r}: give true or false")
+        raise RequestFieldError("stream", f"stream={body['stream']!r}: give true or false")
+    check_stop(body.get("stop"))
+    check_logit_bias(body.get("logit_bias"))
     request_settings(body)
+
+
+def check_stop(stop) -> None:
+    stops = [stop] if isinstance(stop, str) else stop
+    if stop is not None and not (isinstance(stops, list) and all(isinstance(s, str) and s for s in stops)):
+        raise RequestFieldError("stop", f"stop={json.dumps(stop)[:80]}: give a non-empty string or a list of them")
+
+
+def check_logit_bias(logit_bias) -> None:
+    if logit_bias is None:
+        return
+    if not isinstance(logit_bias, dict):
+        raise RequestFieldError("logit_bias", f"logit_bias={logit_bias!r}: give an object of token id -> bias")
+    for token, bias in logit_bias.items():
+        if not (token.isdigit() and _is_number(bias) and abs(bias) <= MAX_LOGIT_BIAS):
+            raise RequestFieldError(
+                "logit_bias",
+                f"logit_bias {token!r}: {bias!r}: give a token id (a whole number, as a string) and a bias from "
+                f"-{MAX_LOGIT_BIAS} to {MAX_LOGIT_BIAS}",
+            )
+
+
+def check_tools_rendered(body: dict, processor) -> None:
+    """Refuse tools that the model's chat template would drop: transformers serve renders a request's tools through
+    the template, which for a template that never reads `tools` decodes as if none were given."""
+    template = getattr(processor, "chat_template", None) or getattr(
+        getattr(processor, "tokenizer", None), "chat_template", None
+    )
+    templates = template.values() if isinstance(template, dict) else [template or ""]
+    if body.get("tools") and not any("tools" in text for text in templates):
+        raise RequestFieldError(
+            "tools",
+            "tools: this model's chat template renders no tools, so the model would never see them; leave "
+            "tools out, or serve a model whose chat template takes tools",
+        )
 
 
 def check_messages(messages) -> None:
@@ -163,24 +321,144 @@ def sample_as_asked(body: dict, do_sample: bool | None) -> bool | None:
     return do_sample
 
 
+def ending_before_stops(respond):
+    """A handler's `_streaming` or `_non_streaming`, given an engine whose answers end before their first stop
+    sequence: transformers serve stops at one but keeps its text, where OpenAI leaves it out."""
+
+    def respond_without_stops(request_id, engine, inputs, generation_kwargs, *rest, **kwargs):
+        stops = generation_kwargs.get("stop_strings")
+        if stops:
+            engine = StopsLeftOut(engine, [stops] if isinstance(stops, str) else stops)
+        return respond(request_id, engine, inputs, generation_kwargs, *rest, **kwargs)
+
+    return respond_without_stops
+
+
+class StopsLeftOut:
+    """A model's `EngineClient` whose answers end before the first of `stops`: a whole answer is cut there, a
+    streamed one holds back text that may begin a stop sequence until the next text settles it."""
+
+    def __init__(self, engine, stops: list[str]):
+        self.engine, self.stops = engine, stops
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    async def generate_non_streaming(self, inputs: dict, generation_kwargs: dict):
+        text, prompt_length, generated = await self.engine.generate_non_streaming(inputs, generation_kwargs)
+        return text[: self.stop_at(text)], prompt_length, generated
+
+    def generate_streaming(self, inputs: dict, generation_kwargs: dict, **kwargs):
+        queue, streamer = self.engine.generate_streaming(inputs, generation_kwargs, **kwargs)
+        streamer._queue = StreamedStopsLeftOut(queue, self)  # where the streamer puts each text as it decodes it
+        return queue, streamer
+
+    def stop_at(self, text: str) -> int:
+        """Where the first stop sequence in `text` begins (len(text) if none does)."""
+        return min((i for i in (text.find(stop) for stop in self.stops) if i >= 0), default=len(text))
+
+    def undecided(self, text: str) -> int:
+        """How many characters at the end of `text` may begin a stop sequence."""
+        return max((n for stop in self.stops for n in range(1, len(stop)) if text.endswith(stop[:n])), default=0)
+
+
+class StreamedStopsLeftOut:
+    """The queue a stream's texts are put into, on their way to `queue`: text up to the first stop sequence, none
+    after it; other items (the end, a tool call, an error) as they come, after the text held back before them."""
+
+    def __init__(self, queue, stops: StopsLeftOut):
+        self.queue, self.stops = queue, stops
+        self.held, self.stopped = "", False
+
+    def put_nowait(self, item) -> None:
+        if type(item) is not str:  # the end (None), a tool call, reasoning: what was held back was no stop
+            if self.held and not self.stopped:
+                self.queue.put_nowait(self.held)
+            self.held = ""
+            self.queue.put_nowait(item)
+            return
+        if self.stopped:
+            return
+        text = self.held + item
+        stop_at = self.stops.stop_at(text)
+        self.stopped = stop_at < len(text)
+        settled = stop_at if self.stopped else len(text) - self.stops.undecided(text)
+        self.held = "" if self.stopped else text[settled:]
+        if settled:
+            self.queue.put_nowait(text[:settled])
+
+
+def warm_up_first(app, model_manager):
+    """Before the app serves (its lifespan starts before uvicorn listens, so /health waits too), run
+    `hybrid.custom_generate.warm_up` in each loaded model's process: what a first call would measure (verify costs,
+    kernel choice, once per machine, cached on disk) is measured here, not during a client's request."""
+    from hybrid.custom_generate.generate import warm_up
+
+    lifespan = app.router.lifespan_context
+
+    @contextlib.asynccontextmanager
+    async def warmed_lifespan(app):
+        engines = getattr(model_manager, "engines", {})  # transformers >= 5.25: the model's process, loaded already
+        for model_id, engine in [(m, e) for m, e in engines.items() if hasattr(e, "submit")]:
+            logger.info(
+                "measuring %s's verify costs and kernels before serving (once per machine, then cached on disk)",
+                model_id,
+            )
+            start = time.perf_counter()
+            await engine.submit(warm_up)
+            logger.info("measured in %.1f s: ready", time.perf_counter() - start)
+        async with lifespan(app) as state:
+            yield state
+
+    app.router.lifespan_context = warmed_lifespan
+    return app
+
+
 def answer_failures(app):
     """Answer a request that `generate` or the checks refuse (ValueError, TypeError, a cache that cannot fit) with
-    400 and the reason; any other failure, a drafter's broken contract included, with 500 and the reason. The body
-    is OpenAI's error object, which OpenAI clients read."""
+    400 and the reason; a body that is not a JSON object with 400 too, and transformers' own refusals (HTTPException)
+    with their status; any other failure, a drafter's broken contract included, with 500 and the reason. The body is
+    always OpenAI's error object, which OpenAI clients read, with the field at fault as its `param` where one is."""
+    from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse
+    from starlette.exceptions import HTTPException  # FastAPI's own, and the one it raises on a body it cannot parse
 
     from drafters import DraftError
     from verifiers.cache import CacheMemoryError
 
+    def error_object(status: int, kind: str, message: str, param: str | None = None):
+        error = {"message": message, "type": kind, "param": param, "code": None}
+        return JSONResponse({"error": error}, status_code=status)
+
     def answer(status: int, kind: str):
         async def respond(request, exc):
-            error = {"message": str(exc), "type": kind, "param": None, "code": None}
-            return JSONResponse({"error": error}, status_code=status)
+            return error_object(status, kind, str(exc), getattr(exc, "param", None))
 
         return respond
 
+    def not_a_json_object(reasons: str):
+        return error_object(
+            400,
+            "invalid_request_error",
+            f"the request body is not a JSON object ({reasons}): send one, UTF-8 encoded, e.g. "
+            f'{{"messages": {EXAMPLE_MESSAGES}}}',
+        )
+
+    async def body_refused(request, exc):
+        return not_a_json_object(
+            "; ".join(f"{e.get('msg')}: {e['ctx']['error']}" if "ctx" in e else e.get("msg") for e in exc.errors())
+        )
+
+    async def refused_by_transformers(request, exc):
+        if isinstance(exc.__cause__, UnicodeDecodeError):  # FastAPI's "error parsing the body" of one not UTF-8
+            return not_a_json_object(f"not UTF-8: {exc.__cause__}")
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return error_object(exc.status_code, kind, str(exc.detail))
+
     for refused in (ValueError, TypeError, CacheMemoryError):
         app.add_exception_handler(refused, answer(400, "invalid_request_error"))
+    app.add_exception_handler(RequestValidationError, body_refused)
+    app.add_exception_handler(HTTPException, refused_by_transformers)
     app.add_exception_handler(DraftError, answer(500, "server_error"))
     app.add_exception_handler(Exception, answer(500, "server_error"))
     return app
@@ -246,6 +524,11 @@ def serve(folder: str | Path, device: str, host: str, port: int, transformers_ar
         )
     os.environ[SERVED] = "1"  # for this process and the ones transformers serve starts
     log_each_call()
+    logger.info(
+        "unlike plain transformers serve: a request field it would ignore is refused by name unless at its off value "
+        "(logit_bias is honoured), temperature above 2 and seeds outside torch's range are refused, every refusal is "
+        "OpenAI's error object, answers end before their stop sequence, a temperature above 0 samples"
+    )
 
     from transformers.cli.transformers import app
 

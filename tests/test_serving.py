@@ -261,10 +261,13 @@ def servers(served, tmp_path_factory):
     started, clients = [], {}
     try:
         for name in ("hybrid", "plain"):
-            server = Server(name, served, "cpu", logs / f"{name}.log")
+            # hybrid's measures into a folder of its own, empty at its start (`test_hybrid_serve_measures_before_ready`)
+            costs = tmp_path_factory.mktemp("costs")
+            server = Server(name, served, "cpu", logs / f"{name}.log", env={"HYBRID_COSTS": str(costs)})
             started.append(server)
             server.wait_ready(timeout=120)
             clients[name] = Client(server.port, str(served), server.log)
+            clients[name].tables_at_ready = list(costs.glob("*.json"))  # the verify-cost tables measured
         yield clients
     finally:
         for server in started:
@@ -352,6 +355,15 @@ BAD_REQUESTS = {
     "temperature -1": (lambda body: {**body, "temperature": -1}, False, r"temperature=-1"),
     "top_p 2": (lambda body: {**body, "top_p": 2}, False, r"top_p=2: give a number in \(0, 1\]"),
     "seed str": (lambda body: {**body, "seed": "11"}, False, r"seed='11': give a whole number"),
+    "seed 2**70": (lambda body: {**body, "seed": 2**70}, False, r"seed=1180591620717411303424: .* to 2\*\*64 - 1"),
+    "temperature Infinity": (lambda body: {**body, "temperature": float("inf")}, False, r"temperature=inf: .* up to 2"),
+    "temperature 1e308": (lambda body: {**body, "temperature": 1e308}, False, r"temperature=1e\+308: .* up to 2"),
+    "stop an empty string": (lambda body: {**body, "stop": [""]}, False, r'stop=\[""\]: give a non-empty string'),
+    "logit_bias 101": (
+        lambda body: {**body, "logit_bias": {"65": 101}},
+        False,
+        r"logit_bias '65': 101: .* -100 to 100",
+    ),
     "generation_config not JSON": (
         lambda body: {**body, "generation_config": "{num_beams"},
         False,
@@ -414,14 +426,117 @@ def test_a_temperature_alone_samples_as_openai_does_and_the_log_says_the_plain_s
     assert servers["hybrid"].stream(PROMPTS[2], 32, temperature=0.8, seed=5)[0] == sampled
 
 
-def test_a_malformed_request_is_refused_and_the_next_one_is_fine(servers, reference):
+def test_a_malformed_request_is_refused_with_openais_error_object_and_the_next_one_is_fine(servers, reference):
     _, _, answer = reference
     client = servers["hybrid"]
-    status, data = client.post(b"{not json")
-    assert status == 422 and b"JSON decode error" in data
+    for body, reason in [
+        (b"{not json", "JSON decode error: Expecting property name"),
+        ('{"messages": "\xff"}'.encode("latin-1"), "not UTF-8: 'utf-8' codec can't decode byte 0xff"),
+        (b"[1]", "Input should be a valid dictionary"),
+    ]:
+        status, data = client.post(body)
+        assert status == 400, data
+        error = json.loads(data)["error"]
+        assert error["type"] == "invalid_request_error" and error["message"].startswith(
+            f"the request body is not a JSON object ({reason}"
+        ), error
     status, data = client.post({**client.body(PROMPTS[0], 8), "bogus": 1})
-    assert status == 422 and b"bogus" in data
+    assert status == 422 and "bogus" in json.loads(data)["error"]["message"]  # transformers' refusal, OpenAI's shape
     assert client.complete(PROMPTS[0], 12, temperature=0) == answer(PROMPTS[0], 12)
+
+
+# Fields at their "off" value: they ask for nothing, and are accepted.
+OFF_VALUES = {
+    "n": 1, "best_of": 1, "logprobs": False, "top_logprobs": 0, "echo": False, "presence_penalty": 0,
+    "frequency_penalty": 0.0, "response_format": {"type": "text"}, "text": {"format": {"type": "text"}}, "tools": [],
+    "tool_choice": "auto", "parallel_tool_calls": True, "functions": [], "function_call": "auto",
+    "modalities": ["text"], "store": False, "service_tier": "auto", "background": False, "truncation": "disabled",
+    "include": [], "logit_bias": {}, "suffix": None, "audio": None,
+}  # fmt: skip
+ENDPOINTS = {"chat": ("chat_completion", "TransformersCompletionCreateParamsStreaming")}
+ENDPOINTS["text"] = ("completion", "TransformersTextCompletionCreateParams")
+ENDPOINTS["responses"] = ("response", "TransformersResponseCreateParamsStreaming")
+VALID = {
+    "chat": {"messages": [{"role": "user", "content": "hi"}]},
+    "text": {"prompt": "hi"},
+    "responses": {"input": "hi"},
+}
+
+
+@pytest.mark.parametrize("endpoint", list(ENDPOINTS))
+def test_every_request_field_is_honoured_or_refused_by_name(endpoint):
+    """Each field transformers' request schema lets through is one hybrid's server honours, or one it refuses with
+    its name (`param`) unless it asks for nothing (null, or its off value)."""
+    import importlib
+
+    from hybrid.serving import HONOURED, RequestFieldError, check_request
+
+    module, schema = ENDPOINTS[endpoint]
+    fields = getattr(importlib.import_module(f"transformers.cli.serving.{module}"), schema).__mutable_keys__
+    assert HONOURED[endpoint] <= fields | {"user", "metadata", "safety_identifier"} | {
+        f"prompt_cache_{n}" for n in ("key", "retention", "options")
+    }
+    for name in sorted(fields - HONOURED[endpoint]):
+        check_request({**VALID[endpoint], name: None}, endpoint)
+        if name in OFF_VALUES:
+            check_request({**VALID[endpoint], name: OFF_VALUES[name]}, endpoint)
+        with pytest.raises(RequestFieldError, match=rf"^{name}=.* is not served by hybrid: ") as refused:
+            check_request({**VALID[endpoint], name: {"asks": "something"}}, endpoint)
+        assert refused.value.param == name
+
+
+def test_fields_hybrid_does_not_serve_are_refused_by_name_and_off_values_accepted(servers, reference):
+    _, _, answer = reference
+    client = servers["hybrid"]
+    tool = {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}
+    refused = {
+        "n": 2,
+        "logprobs": True,
+        "top_logprobs": 2,
+        "presence_penalty": 0.5,
+        "frequency_penalty": 0.5,
+        "response_format": {"type": "json_object"},
+        "tools": [tool],  # the tiny model's chat template renders no tools
+    }
+    for name, value in refused.items():
+        for stream in (False, True):
+            status, data = client.post(client.body(PROMPTS[0], 8, temperature=0.8, stream=stream, **{name: value}))
+            error = json.loads(data)["error"]
+            assert status == 400 and error["param"] == name and error["message"].startswith(name), (name, error)
+    status, data = client.post({"model": client.model, "prompt": "def f", "max_tokens": 4, "n": 2}, "/v1/completions")
+    assert status == 400 and json.loads(data)["error"]["param"] == "n"
+    off = {name: OFF_VALUES[name] for name in ("n", "logprobs", "top_logprobs", "tools", "logit_bias", *refused)}
+    assert client.complete(PROMPTS[0], 12, temperature=0, **off) == answer(PROMPTS[0], 12)
+    # logit_bias is honoured: +100 on "a" (token 65 of the printable tokenizer) makes every token an "a"
+    assert client.complete(PROMPTS[0], 12, temperature=0, logit_bias={"65": 100}) == "a" * 12
+
+
+def test_a_stop_sequence_is_left_out_of_the_answer_streamed_or_not(servers, reference):
+    _, _, answer = reference
+    full = answer(PROMPTS[1], 24)
+    stop = full[10:13]  # an answer ends before the first place the stop sequence appears, as OpenAI's do
+    expected = full[: full.index(stop)]
+    client = servers["hybrid"]
+    status, data = client.post(client.body(PROMPTS[1], 24, temperature=0, stop=[stop, "never said"]))
+    choice = json.loads(data)["choices"][0]
+    assert status == 200 and choice["message"]["content"] == expected and choice["finish_reason"] == "stop"
+    text, events = client.stream(PROMPTS[1], 24, temperature=0, stop=stop)
+    assert text == expected and events[-2]["choices"][0]["finish_reason"] == "stop"
+    prompt = "def merge(a, b):"
+    body = {"model": client.model, "prompt": prompt, "max_tokens": 16, "temperature": 0}
+    full = json.loads(client.post(body, "/v1/completions")[1])["choices"][0]["text"]
+    stopped = json.loads(client.post({**body, "stop": full[6:8]}, "/v1/completions")[1])["choices"][0]["text"]
+    assert stopped == full[: full.index(full[6:8])]
+
+
+def test_hybrid_serve_measures_before_it_is_ready(servers):
+    """The verify-cost table a first request would measure is measured before /health answers, and the log says so;
+    the plain server measures nothing."""
+    assert servers["hybrid"].tables_at_ready and not servers["plain"].tables_at_ready
+    logged = servers["hybrid"].logged()
+    assert re.search(r"hybrid: measuring .* verify costs and kernels before serving", logged)
+    assert logged.index("hybrid: measured in") < logged.index("Application startup complete")
+    assert "hybrid: unlike plain transformers serve: a request field it would ignore is refused by name" in logged
 
 
 def test_a_client_that_disconnects_mid_stream_aborts_its_generation(servers, reference):

@@ -88,6 +88,23 @@ def generate(*args, model=None, drafter: str | Drafter | None = "default", **kwa
     return (output, stats) if return_stats else output
 
 
+def warm_up(model, processor=None) -> None:
+    """Run now what the first call on `model`, loaded from a served folder, would pay for (as `hybrid.load_default`
+    does): its drafter built, the default scheduler's verify-cost table and kernel choice (measured once per machine,
+    cached on disk), what those kernels need made, and the model's probes. `python -m hybrid serve` runs it in the
+    model's process before the server answers /health."""
+    from hybrid.export import served_drafter
+    from schedulers.adaptive import default_scheduler
+    from schedulers.cost_model import prepare_kernels
+    from verifiers.verifier import settle_probes
+
+    drafter = cached_drafter(model, served_drafter(model.name_or_path))
+    if drafter is not None:
+        default_scheduler(drafter, model).reset(drafter, model)
+    prepare_kernels(model)
+    settle_probes(model)
+
+
 def log_each_call() -> None:
     """Print the "hybrid.serving" lines (each call's statistics, the server's notes) to stderr, once a process."""
     if logger.handlers:
