@@ -5,6 +5,8 @@ any verifier and adds a trained folder only when it was trained for that verifie
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -13,7 +15,7 @@ from strategies import random_block_drafter, tiny_model
 
 import hybrid
 from drafters import BlockDiffusionDrafter, ChainDrafter, DFlashDrafter, PromptLookupDrafter
-from drafters.block_diffusion import save_model
+from drafters.block_diffusion import save_model, verifier_fingerprint
 from drafters.online_store import OnlineStore
 from hybrid.custom_generate import generate as glue_generate
 from hybrid.testing import check_greedy_lossless
@@ -110,6 +112,56 @@ def test_a_store_filled_by_one_verifier_never_drafts_for_another():
         hybrid.generate(other, prompt, drafter=drafter, max_new_tokens=8, do_sample=False)
     with pytest.raises(ValueError, match=r"online store holds another verifier's outputs"):
         PromptLookupDrafter(online_store=store, verifier=other)
+
+
+def fine_tuned(model, seed: int):
+    """A copy of `model` with every weight but the input embedding moved a little, as a fine-tune or a merged LoRA
+    moves them: its architecture, sizes and embedding are the original's."""
+    other = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in other.named_parameters():
+            if p is not other.get_input_embeddings().weight:
+                p.add_(0.01 * torch.randn(p.shape, generator=generator))
+    return other
+
+
+def test_a_fine_tune_sharing_the_embedding_is_refused_by_name():
+    model = tiny_model("llama", VOCAB, 2, seed=1)
+    other = fine_tuned(model, seed=2)
+    assert verifier_fingerprint(other) == verifier_fingerprint(model)  # what the store was keyed by before
+    drafter = hybrid.drafter_for(model)
+    prompt = torch.randint(0, VOCAB, (1, 8), generator=torch.Generator().manual_seed(0))
+    hybrid.generate(model, prompt, drafter=drafter, max_new_tokens=8, do_sample=False)
+    with pytest.raises(ValueError, match=r"online store holds another verifier's outputs \(weights_sha256 .*OnlineStore"):
+        hybrid.generate(other, prompt, drafter=drafter, max_new_tokens=8, do_sample=False)
+    hybrid.generate(copy.deepcopy(model), prompt, drafter=drafter, max_new_tokens=8, do_sample=False)  # a twin is fine
+
+
+@pytest.mark.parametrize("change", ["in place", "through .data", "a parameter replaced"])
+def test_weights_changed_in_place_empty_the_store_and_it_learns_the_new_answers(change):
+    """The same model object may change its weights between calls (hybrid.generate allows it): the store's earlier
+    answers are no longer this model's, so it forgets them, and the next call fills it with the new model's."""
+    model = tiny_model("llama", VOCAB, 2, seed=3)
+    drafter = hybrid.drafter_for(model)
+    store = drafter.online_store
+    prompt = torch.randint(0, VOCAB, (1, 10), generator=torch.Generator().manual_seed(4))
+    answer = hybrid.generate(model, prompt, drafter=drafter, max_new_tokens=30, do_sample=False)[0, 10:].tolist()
+    hybrid.generate(model, prompt, drafter=drafter, max_new_tokens=30, do_sample=False)  # a call changes nothing
+    assert store.sequences == 2 and store.lookup(prompt[0].tolist() + answer[:1], 16)[1] >= 11
+    layer = model.model.layers[0].mlp.down_proj
+    generator = torch.Generator().manual_seed(5)
+    if change == "in place":
+        with torch.no_grad():
+            layer.weight.add_(torch.randn(layer.weight.shape, generator=generator))
+    elif change == "through .data":  # bypasses autograd's version counter: the sampled elements see it
+        layer.weight.data.add_(torch.randn(layer.weight.shape, generator=generator))
+    else:
+        layer.weight = torch.nn.Parameter(layer.weight + torch.randn(layer.weight.shape, generator=generator))
+    report = check_greedy_lossless(model, prompt, drafter, FixedScheduler(16), max_new_tokens=30)
+    assert store.sequences == 1  # emptied before this call, which it then recorded
+    new = report.output[0, 10:].tolist()
+    assert new != answer and store.lookup(prompt[0].tolist() + new[:1], 16)[0] == new[1:17]
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
