@@ -282,11 +282,23 @@ def read_config(path: str | Path) -> Qwen3Config:
 
 
 def weight_files(path: Path) -> list[Path]:
-    """model.safetensors, or the shards model.safetensors.index.json lists."""
+    """model.safetensors, or the shards model.safetensors.index.json lists: plain file names in the folder (a folder
+    comes from anyone, and its index must not send the loader elsewhere)."""
     index = path / INDEX_NAME
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [path / shard for shard in shards]
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{index} is not an index with a weight_map ({e!r}): re-save the drafter") from None
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index}: weight_map must map tensor names to shard files, got {weight_map!r}")
+        for name, shard in weight_map.items():
+            if not isinstance(shard, str) or shard in ("", ".", "..") or Path(shard).name != shard or "\\" in shard:
+                raise ValueError(
+                    f"{index}: weight_map entry {name!r} names {shard!r}, which is not a shard's plain file name in "
+                    "the folder: an index lists the folder's own files only; fix or remove the index"
+                )
+        return [path / shard for shard in sorted(set(weight_map.values()))]
     if not (path / WEIGHTS_NAME).is_file():
         raise FileNotFoundError(f"{path / WEIGHTS_NAME} not found: a DFlash folder holds the drafter's weights there")
     return [path / WEIGHTS_NAME]

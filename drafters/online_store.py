@@ -8,8 +8,11 @@ et al. 2024, vLLM's `suffix` method). A repeated or related request then drafts 
 
 Only the verifier's own tokens are ever drafted: a sequence is written as the tail of its prompt (matched, never
 copied) and the tokens the engine committed after it. Losslessness does not depend on it (the verifier checks every
-draft), but another user's prompt text is never proposed. The store is keyed to one verifier by its fingerprint
-(`drafters.block_diffusion.verifier_fingerprint`): a store filled by one model never drafts for another.
+draft), but another user's prompt text is never proposed. The store is keyed to one verifier's weights (`weights_fingerprint`:
+its architecture and sizes, and a sample of every parameter), checked on every call: a store filled by one model never
+drafts for another (a fine-tune sharing the embedding included), and a model whose weights changed in place since the
+store last saw it is a new model whose earlier answers the store forgets. Who may draft from whose answers is the
+caller's choice: one store per client (`OnlineStores`) keeps one client's answers from drafting for another.
 
 The index is a hash chain over token pairs, as LZ77 compressors find matches in a window: `head[h]` is the most
 recent position whose pair (the token before it and its own) hashes to h, `prev[p]` the position before p with the
@@ -19,17 +22,21 @@ at `max_chain` candidates; of those, the longest match wins, the most recent amo
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import weakref
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import numpy as np
+import torch
 
 from drafters.base import check_same_verifier
 
 SEPARATOR = -1  # between segments: never a token, so no match or copy runs across it
 HASH_MULTIPLIER = 0x9E3779B97F4A7C15  # Fibonacci hashing: 2**64 / golden ratio
 MASK_64 = (1 << 64) - 1
+SAMPLES_PER_TENSOR = 16  # elements of each parameter in `weights_fingerprint`: a fine-tune moves nearly all of them
 
 
 class OnlineStore:
@@ -38,20 +45,14 @@ class OnlineStore:
     Args:
         max_tokens: the ring buffer's size in tokens (a power of two is not needed); memory is about 21 bytes a
             token (`nbytes`), allocated once, touched as it fills.
-        verifier: the verifier model (or its fingerprint dict) whose outputs it holds; None binds it to the first
-            verifier that drafts with it (`bind`).
+        verifier: the verifier model whose outputs it holds; None binds it to the first verifier that drafts with it
+            (`bind`).
         max_match: the longest context suffix compared (also how much of a prompt's tail is kept before its answer).
         max_chain: candidate positions tried per lookup, newest first.
     """
 
     def __init__(self, max_tokens: int = 1 << 20, verifier=None, max_match: int = 32, max_chain: int = 16):
-        if max_tokens < 2 * (max_match + 1):
-            raise ValueError(
-                f"max_tokens={max_tokens} cannot hold one prompt tail of max_match={max_match} tokens and an answer: "
-                f"give at least {2 * (max_match + 1)}"
-            )
-        if max_match < 2 or max_chain < 1:
-            raise ValueError(f"need max_match >= 2 (a token pair) and max_chain >= 1, got {max_match}, {max_chain}")
+        check_sizes(max_tokens, max_match, max_chain)
         self.max_tokens, self.max_match, self.max_chain = max_tokens, max_match, max_chain
         self.hash_bits = max(1, (max_tokens - 1).bit_length())
         # Positions are absolute (0, 1, ... over the store's life); slot p % max_tokens holds position p. Zeros are
@@ -64,11 +65,10 @@ class OnlineStore:
         self.sequences = 0  # sequences begun
         self._writer = None  # the sequence whose tokens end the buffer (it continues without a separator)
         self._lock = threading.Lock()  # calls on several threads (a server's requests) share one store
-        self.verifier: dict | None = None
-        self._bound: weakref.ref | None = None  # the model object last checked, so a fingerprint is computed once
-        if isinstance(verifier, dict):
-            self.verifier = dict(verifier)
-        elif verifier is not None:
+        self.verifier: dict | None = None  # weights_fingerprint() of the model whose answers it holds
+        self._bound: weakref.ref | None = None  # that model object, and its weights_state() when last checked
+        self._state: tuple | None = None
+        if verifier is not None:
             self.bind(verifier)
 
     # -- what it holds ------------------------------------------------------------------------------
@@ -97,21 +97,33 @@ class OnlineStore:
 
     def bind(self, model) -> None:
         """Check that `model` is the verifier whose outputs this store holds (the first model binds an unbound store);
-        another one raises ValueError naming what differs."""
-        if self._bound is not None and self._bound() is model:
-            return
-        from drafters.block_diffusion import verifier_fingerprint
+        another one raises ValueError naming what differs. The model it holds answers of, its weights changed in place
+        since the last check, is another model that keeps the name: the store forgets what it holds and binds to it
+        (the old answers are no longer this model's, and a fresh store is what a new model gets)."""
+        state = weights_state(model)
+        with self._lock:
+            same_object = self._bound is not None and self._bound() is model
+            if same_object and state == self._state:
+                return
+        fingerprint = weights_fingerprint(model, state)
+        with self._lock:
+            if self.verifier is None or same_object:
+                if self.verifier is not None:
+                    self._clear()
+                self.verifier = fingerprint
+            check_same_verifier(
+                self.verifier,
+                fingerprint,
+                "this online store holds another verifier's outputs",
+                "give each verifier its own OnlineStore (hybrid.drafter_for(model) makes one)",
+            )
+            self._bound, self._state = weakref.ref(model), state
 
-        fingerprint = verifier_fingerprint(model)
-        if self.verifier is None:
-            self.verifier = fingerprint
-        check_same_verifier(
-            self.verifier,
-            fingerprint,
-            "this online store holds another verifier's outputs",
-            "give each verifier its own OnlineStore (hybrid.drafter_for(model) makes one)",
-        )
-        self._bound = weakref.ref(model)
+    def _clear(self) -> None:
+        self.tokens.fill(SEPARATOR)
+        self.head.fill(0)
+        self.written = self.sequences = 0
+        self._writer = None
 
     # -- writing ----------------------------------------------------------------------------------------
 
@@ -185,3 +197,76 @@ class OnlineStore:
         at = np.arange(p, min(p + max_tokens, self.written)) % self.max_tokens
         run = np.cumprod(self.draftable[at]).sum()
         return self.tokens[at[:run]].tolist()
+
+
+class OnlineStores:
+    """Online stores by key (a served client), made on first use: at most `max_stores`, the least recently used dropped
+    first, each of `max_tokens` tokens, so all of them together hold at most `max_stores * max_tokens` tokens (about 21
+    bytes each, `OnlineStore.nbytes`)."""
+
+    def __init__(self, max_stores: int, max_tokens: int):
+        if max_stores < 1:
+            raise ValueError(f"max_stores={max_stores}: keep at least one store")
+        check_sizes(max_tokens)  # before any request
+        self.max_stores, self.max_tokens = max_stores, max_tokens
+        self._stores: OrderedDict[str, OnlineStore] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._stores)
+
+    def get(self, key: str) -> OnlineStore:
+        with self._lock:
+            store = self._stores.pop(key, None) or OnlineStore(self.max_tokens)
+            self._stores[key] = store  # the most recent last
+            while len(self._stores) > self.max_stores:
+                self._stores.popitem(last=False)
+            return store
+
+
+def check_sizes(max_tokens: int, max_match: int = 32, max_chain: int = 16) -> None:
+    if max_tokens < 2 * (max_match + 1):
+        raise ValueError(
+            f"max_tokens={max_tokens} cannot hold one prompt tail of max_match={max_match} tokens and an answer: "
+            f"give at least {2 * (max_match + 1)}"
+        )
+    if max_match < 2 or max_chain < 1:
+        raise ValueError(f"need max_match >= 2 (a token pair) and max_chain >= 1, got {max_match}, {max_chain}")
+
+
+def weights_state(model) -> tuple:
+    """What moves when a weight changes, checked on every call (about 5 ms on the 135M verifier on CPU, its 272
+    tensors walked once): each parameter's address and autograd version counter, which every in-place op bumps (under
+    no_grad too, as optimizers and load_state_dict write), then `sample`, a sha256 of each parameter's name, shape,
+    dtype and `SAMPLES_PER_TENSOR` elements spread over it, which sees what a fine-tune, a merged LoRA or another
+    checkpoint of the architecture changes, and a write through `.data`, which bypasses the counter."""
+    versions, digest, samples = [], hashlib.sha256(), []
+    for name, p in model.named_parameters():
+        versions.append((p.data_ptr(), p._version))
+        digest.update(f"{name}{tuple(p.shape)}{p.dtype};".encode())
+        n, t = p.numel(), p.detach()
+        step = max(1, n // SAMPLES_PER_TENSOR)
+        if n and t.is_contiguous():
+            samples.append(t.as_strided((min(n, SAMPLES_PER_TENSOR),), (step,), t.storage_offset()))
+        elif n:
+            samples.append(t.reshape(-1)[::step][:SAMPLES_PER_TENSOR])
+    if samples:  # to the CPU in one copy
+        digest.update(torch.cat(samples).float().cpu().numpy().tobytes())
+    return (*versions, digest.hexdigest()[:16])
+
+
+def weights_fingerprint(model, state: tuple | None = None) -> dict:
+    """`verifier_fingerprint` (architecture, sizes, embedding) and `weights_state`'s sample of every weight: equal for
+    the same weights in the same dtype, different for a fine-tune that shares the embedding. Kept per model while its
+    `state` (computed when not given) stays: the embedding's hash takes about 0.25 s on the 135M verifier."""
+    from drafters.block_diffusion import verifier_fingerprint
+
+    state = weights_state(model) if state is None else state
+    known = _FINGERPRINTS.get(model)
+    if known is None or known[0] != state:
+        fingerprint = verifier_fingerprint(model) | {"dtype": str(model.dtype), "weights_sha256": state[-1]}
+        _FINGERPRINTS[model] = known = (state, fingerprint)
+    return dict(known[1])
+
+
+_FINGERPRINTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (weights_state, fingerprint)

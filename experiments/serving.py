@@ -48,10 +48,18 @@ def server_command(name: str, folder: Path, device: str, port: int) -> list[str]
 
 
 class Server:
-    """One server process on a free loopback port, its output in `log`, `env` added to its environment; `stop` ends
-    it (and only it)."""
+    """One server process on a free loopback port (its command's `options` after the folder's), its output in `log`,
+    `env` added to its environment; `stop` ends it (and only it)."""
 
-    def __init__(self, name: str, folder: Path, device: str, log: Path, env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        name: str,
+        folder: Path,
+        device: str,
+        log: Path,
+        options: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+    ):
         self.name, self.log = name, log
         with socket.socket() as probe:  # a free port: bind to 0 and read what the kernel chose
             probe.bind((HOST, 0))
@@ -61,7 +69,7 @@ class Server:
         log.parent.mkdir(parents=True, exist_ok=True)
         self._log_file = log.open("a")
         self.process = subprocess.Popen(
-            server_command(name, folder, device, self.port),
+            server_command(name, folder, device, self.port) + list(options),
             stdout=self._log_file,
             stderr=subprocess.STDOUT,
             env=env,

@@ -90,6 +90,29 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--device", default="cpu", help="where the model runs (cpu, cuda, cuda:1, auto)")
     serve.add_argument("--host", default="localhost")
     serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument(
+        "--online-store",
+        choices=("per-client", "shared", "off"),
+        default="per-client",
+        help="whose answers a request drafts from: its own client's (default; keyed by --client-header, a request "
+        "without it gets no store), every client's (shared: a client can then tell from the time an answer takes "
+        "whether someone else was recently given it), or none",
+    )
+    serve.add_argument(
+        "--client-header",
+        default="authorization",
+        help="the request header that names a client (default: Authorization, the bearer token; or one your "
+        "authenticating proxy sets, e.g. X-Forwarded-User)",
+    )
+    serve.add_argument("--store-clients", type=int, default=32, help="client stores kept, least recently used dropped")
+    serve.add_argument("--store-tokens", type=int, default=1 << 16, help="tokens per client store (~21 bytes each)")
+    serve.add_argument(
+        "--stream-chunk",
+        type=int,
+        default=16,
+        help="tokens per streamed chunk (default 16); 1 sends each verify step's tokens as they come, which shows "
+        "a client how many drafted tokens each step accepted",
+    )
     argv = sys.argv[1:] if argv is None else list(argv)
     passed_on = argv[argv.index("--") + 1 :] if "--" in argv else []  # for transformers serve
     args = parser.parse_args(argv[: len(argv) - len(passed_on) - 1] if "--" in argv else argv)
@@ -101,14 +124,20 @@ def main(argv: list[str] | None = None) -> int:
         print(export_served(args.out, args.verifier, args.drafter))
         return 0
     if args.command == "serve":
-        from hybrid.serving import serve, served_default
+        from hybrid.serving import StorePolicy, serve, served_default
 
         if args.model is not None and (args.drafter is not None or args.verifier is not None):
             parser.error(
                 "--verifier and --drafter choose what to export and serve; a served folder's are fixed by export-served"
             )
+        try:
+            policy = StorePolicy(
+                args.online_store, args.client_header, args.store_clients, args.store_tokens, args.stream_chunk
+            )
+        except ValueError as e:
+            parser.error(str(e))
         folder = args.model or served_default(args.drafter or "default", args.verifier)
-        serve(folder, args.device, args.host, args.port, passed_on)
+        serve(folder, args.device, args.host, args.port, passed_on, policy)
         return 0
     return _generate(args)
 

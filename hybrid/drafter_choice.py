@@ -40,8 +40,7 @@ def drafter_for(model, path: str | Path | None = None, tokenizer=None) -> Drafte
     """
     fingerprint = verifier_fingerprint(model)
     embedded = fingerprint == shipped_fingerprint()
-    online = OnlineStore(verifier=fingerprint)
-    online.bind(model)
+    online = OnlineStore(verifier=model)
     lookup = PromptLookupDrafter(
         max_ngram=DRAFTER_LOOKUP_MAX_NGRAM,
         min_ngram=DRAFTER_LOOKUP_NGRAM,

@@ -12,17 +12,22 @@ the model measures what its first call would (verify costs, kernels) before the 
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import hashlib
+import hmac
 import inspect
 import json
 import logging
 import numbers
 import os
+import secrets
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from hybrid.custom_generate import DRAFTER_NAMES
-from hybrid.custom_generate.generate import SERVED, log_each_call
+from hybrid.custom_generate.generate import SERVED, SERVED_DEFAULTS, SERVED_REQUEST, log_each_call
 
 SERVING_EXTRA = 'pip install -e ".[serving]" (transformers[serving]: fastapi, uvicorn, openai)'
 # transformers serve options that would take requests away from model.generate, i.e. from hybrid.
@@ -41,10 +46,10 @@ logger = logging.getLogger("hybrid.serving")
 
 
 @contextlib.contextmanager
-def request_rules():
+def request_rules(policy: StorePolicy | None = None):
     """While `transformers serve` builds its app here, give its chat, text and responses handlers hybrid's request
-    rules (`add_request_rules`), make the app answer what it refuses (`answer_failures`) and warm its model up before
-    it serves (`warm_up_first`)."""
+    rules (`add_request_rules`), make the app answer what it refuses (`answer_failures`), keep its clients apart as
+    `policy` says (`keep_clients_apart`) and warm its model up before it serves (`warm_up_first`)."""
     from transformers.cli.serving import server
 
     build_server = server.build_server
@@ -59,6 +64,8 @@ def request_rules():
         ):
             add_request_rules(handlers[name], endpoint)
         app = answer_failures(build_server(*args, **kwargs))
+        rules = [handlers[name] for name in ("chat_handler", "completion_handler", "response_handler")]
+        app = keep_clients_apart(app, rules, policy or StorePolicy())
         return warm_up_first(app, handlers["model_manager"])
 
     server.build_server = build_with_rules
@@ -110,6 +117,107 @@ def add_request_rules(handler, endpoint: str) -> None:
             return config
 
         handler._build_generation_config = build_generation_config
+
+
+STORE_SCOPES = ("per-client", "shared", "off")
+_CREDENTIAL: contextvars.ContextVar[str | None] = contextvars.ContextVar("hybrid_credential", default=None)
+
+
+@dataclass(frozen=True)
+class StorePolicy:
+    """Whose earlier answers a served request drafts from, and how its stream is chunked (`python -m hybrid serve`'s
+    --online-store, --client-header, --store-clients, --store-tokens, --stream-chunk).
+
+    scope: "per-client" (a client's answers draft for that client only: its store is keyed by the value of `header`,
+        by default its bearer token; a request without one drafts from no store), "shared" (every request's answers
+        draft for every request: anyone can tell by the time an answer takes whether someone was recently given it),
+        or "off".
+    stores, store_tokens: at most `stores` client stores of `store_tokens` tokens each (the least recently used
+        dropped first); "shared" keeps one store of `stores * store_tokens` tokens, the same bound.
+    stream_chunk: tokens per streamed chunk (`ChunkedStreamer`); 1 sends each verify step's tokens as it commits
+        them, which shows the client how many drafted tokens each step accepted.
+    """
+
+    scope: str = "per-client"
+    header: str = "authorization"
+    stores: int = SERVED_DEFAULTS["stores"]
+    store_tokens: int = SERVED_DEFAULTS["store_tokens"]
+    stream_chunk: int = SERVED_DEFAULTS["stream_chunk"]
+
+    def __post_init__(self):
+        from drafters.online_store import check_sizes
+
+        if self.scope not in STORE_SCOPES:
+            raise ValueError(f"online store scope {self.scope!r}: choose one of {', '.join(STORE_SCOPES)}")
+        if self.stores < 1 or self.stream_chunk < 1:
+            raise ValueError(
+                f"stores={self.stores}, stream_chunk={self.stream_chunk}: give whole numbers of at least 1"
+            )
+        check_sizes(self.store_tokens)
+
+    def request(self, credential: str | None) -> dict:
+        """The `SERVED_REQUEST` settings of a request whose client sent `credential` (the header's value, or None)."""
+        settings = {"stores": self.stores, "store_tokens": self.store_tokens, "stream_chunk": self.stream_chunk}
+        if self.scope == "shared":
+            return settings | {"store": "shared", "stores": 1, "store_tokens": self.stores * self.store_tokens}
+        if self.scope == "off" or not credential:
+            return settings | {"store": None}
+        # Keyed by a salted hash, so the decoding process and its log never hold a client's credential.
+        return settings | {"store": hmac.new(_SALT, credential.encode(), hashlib.sha256).hexdigest()[:32]}
+
+
+_SALT = secrets.token_bytes(16)  # this server's, for `StorePolicy.request`'s keys
+
+
+def keep_clients_apart(app, handlers: list, policy: StorePolicy):
+    """Give each request's `generate` its client's `SERVED_REQUEST` settings (`StorePolicy.request`), from the header
+    the policy names, which the app reads into `_CREDENTIAL` as each request arrives. A request that sets them in its
+    generation_config is refused: they are the server's to set."""
+
+    def settings(body: dict) -> dict:
+        if SERVED_REQUEST in request_settings(body):
+            raise ValueError(f"generation_config sets {SERVED_REQUEST}: the server sets it; leave it out")
+        return policy.request(_CREDENTIAL.get())
+
+    for handler in handlers:
+        if hasattr(handler, "_build_generation_kwargs"):  # transformers >= 5.25: a request's `generate` arguments
+            build_kwargs = handler._build_generation_kwargs
+
+            def build_generation_kwargs(body: dict, model_generation_config, build_kwargs=build_kwargs) -> dict:
+                return build_kwargs(body, model_generation_config) | {SERVED_REQUEST: settings(body)}
+
+            handler._build_generation_kwargs = build_generation_kwargs
+        else:  # transformers < 5.25: a request's GenerationConfig, which carries them as an attribute
+            build_config = handler._build_generation_config
+
+            def build_generation_config(body: dict, model_generation_config, use_cb=False, build_config=build_config):
+                config = build_config(body, model_generation_config, use_cb=use_cb)
+                setattr(config, SERVED_REQUEST, settings(body))
+                return config
+
+            handler._build_generation_config = build_generation_config
+    app.add_middleware(ClientCredential, header=policy.header)
+    return app
+
+
+class ClientCredential:
+    """Reads a request's `header` (its client's credential) into `_CREDENTIAL` for the request's handling; a plain
+    ASGI middleware, as transformers' own are."""
+
+    def __init__(self, app, header: str):
+        self.app, self.header = app, header.lower().encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        value = next((v.decode("latin-1") for k, v in scope["headers"] if k.lower() == self.header), "")
+        scheme, _, rest = value.strip().partition(" ")
+        credential = rest.strip() if scheme.lower() == "bearer" else value.strip()  # "Bearer" alone is no token
+        token = _CREDENTIAL.set(credential or None)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            _CREDENTIAL.reset(token)
 
 
 class RequestFieldError(ValueError):
@@ -500,9 +608,16 @@ def served_default(drafter: str, verifier: str | Path | None = None) -> Path:
     return export_served(out, verifier, drafter)
 
 
-def serve(folder: str | Path, device: str, host: str, port: int, transformers_args: list[str]) -> None:
+def serve(
+    folder: str | Path,
+    device: str,
+    host: str,
+    port: int,
+    transformers_args: list[str],
+    policy: StorePolicy | None = None,
+) -> None:
     """Run `transformers serve folder --trust-remote-code` in this process (from transformers 5.25 its model decodes
-    in a process the server spawns), logging each request's statistics."""
+    in a process the server spawns), logging each request's statistics, its clients kept apart as `policy` says."""
     require_serving()
     from hybrid.export import GLUE
 
@@ -533,5 +648,5 @@ def serve(folder: str | Path, device: str, host: str, port: int, transformers_ar
     from transformers.cli.transformers import app
 
     arguments = ["serve", str(folder), "--trust-remote-code", "--device", device, "--host", host, "--port", str(port)]
-    with request_rules():
+    with request_rules(policy):
         app(arguments + transformers_args, prog_name="transformers")

@@ -388,6 +388,42 @@ def test_a_bad_folder_fails_naming_the_field_and_the_fix(folders, tmp_path, case
         assert word in str(error.value)
 
 
+@pytest.mark.parametrize(
+    "entry", ["../../../etc/passwd", "/etc/passwd", "shards/../../model.safetensors", "..", 7, "sub/model.safetensors"]
+)
+def test_an_index_naming_a_file_outside_the_folder_is_refused(folders, tmp_path, entry):
+    """model.safetensors.index.json is the folder's word on where its shards are: a shard outside the folder (or not a
+    plain file name in it) is refused by name, and nothing is opened."""
+    verifier, good = folders["qwen3", "full"]
+    folder = Path(shutil.copytree(good, tmp_path / "sharded"))
+    weights = folder / "model.safetensors"
+    weights.rename(folder / "model-00001-of-00001.safetensors")
+    index = {"metadata": {}, "weight_map": {"fc.weight": entry, "norm.weight": "model-00001-of-00001.safetensors"}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError) as error:
+        DFlashDrafter.from_pretrained(folder, verifier)
+    message = str(error.value)
+    assert "model.safetensors.index.json" in message and repr(entry) in message and "fc.weight" in message
+    assert "a shard's plain file name in the folder" in message
+
+
+def test_a_sharded_folder_loads_its_shards(folders, tmp_path):
+    verifier, good = folders["qwen3", "full"]
+    folder = Path(shutil.copytree(good, tmp_path / "sharded"))
+    state = load_file(str(folder / "model.safetensors"))
+    names = sorted(state)
+    (folder / "model.safetensors").unlink()
+    halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for shard, keys in halves.items():
+        save_file({k: state[k] for k in keys}, str(folder / shard))
+    index = {"weight_map": {k: shard for shard, keys in halves.items() for k in keys}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    sharded = DFlashDrafter.from_pretrained(folder, verifier)
+    whole = DFlashDrafter.from_pretrained(good, verifier)
+    for (name, a), (_, b) in zip(sharded.model.state_dict().items(), whole.model.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
 def test_dflash_training_round_trips_through_the_published_format(tmp_path):
     """`--arch dflash` trains a few steps and exports a DFlash folder: its config is the format (a Qwen3 config with
     the DFlash fields), `DFlashDrafter.from_pretrained` loads the trained weights (bfloat16, as published) and drafts

@@ -5,6 +5,8 @@ any verifier and adds a trained folder only when it was trained for that verifie
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -13,9 +15,10 @@ from strategies import random_block_drafter, tiny_model
 
 import hybrid
 from drafters import BlockDiffusionDrafter, ChainDrafter, DFlashDrafter, PromptLookupDrafter
-from drafters.block_diffusion import save_model
-from drafters.online_store import OnlineStore
+from drafters.block_diffusion import save_model, verifier_fingerprint
+from drafters.online_store import OnlineStore, OnlineStores
 from hybrid.custom_generate import generate as glue_generate
+from hybrid.custom_generate.generate import _STORES, SERVED_DEFAULTS, SERVED_REQUEST
 from hybrid.testing import check_greedy_lossless
 from schedulers import FixedScheduler, Scheduler
 
@@ -112,6 +115,58 @@ def test_a_store_filled_by_one_verifier_never_drafts_for_another():
         PromptLookupDrafter(online_store=store, verifier=other)
 
 
+def fine_tuned(model, seed: int):
+    """A copy of `model` with every weight but the input embedding moved a little, as a fine-tune or a merged LoRA
+    moves them: its architecture, sizes and embedding are the original's."""
+    other = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in other.parameters():
+            if p is not other.get_input_embeddings().weight:
+                p.add_(0.01 * torch.randn(p.shape, generator=generator))
+    return other
+
+
+def test_a_fine_tune_sharing_the_embedding_is_refused_by_name():
+    model = tiny_model("llama", VOCAB, 2, seed=1)
+    other = fine_tuned(model, seed=2)
+    assert verifier_fingerprint(other) == verifier_fingerprint(model)  # what the store was keyed by before
+    drafter = hybrid.drafter_for(model)
+    prompt = torch.randint(0, VOCAB, (1, 8), generator=torch.Generator().manual_seed(0))
+    hybrid.generate(model, prompt, drafter=drafter, max_new_tokens=8, do_sample=False)
+    with pytest.raises(
+        ValueError, match=r"online store holds another verifier's outputs \(weights_sha256 .*OnlineStore"
+    ):
+        hybrid.generate(other, prompt, drafter=drafter, max_new_tokens=8, do_sample=False)
+    hybrid.generate(copy.deepcopy(model), prompt, drafter=drafter, max_new_tokens=8, do_sample=False)  # a twin is fine
+
+
+@pytest.mark.parametrize("change", ["in place", "through .data", "a parameter replaced"])
+def test_weights_changed_in_place_empty_the_store_and_it_learns_the_new_answers(change):
+    """The same model object may change its weights between calls (hybrid.generate allows it): the store's earlier
+    answers are no longer this model's, so it forgets them, and the next call fills it with the new model's."""
+    model = tiny_model("llama", VOCAB, 2, seed=3)
+    drafter = hybrid.drafter_for(model)
+    store = drafter.online_store
+    prompt = torch.randint(0, VOCAB, (1, 10), generator=torch.Generator().manual_seed(4))
+    answer = hybrid.generate(model, prompt, drafter=drafter, max_new_tokens=30, do_sample=False)[0, 10:].tolist()
+    hybrid.generate(model, prompt, drafter=drafter, max_new_tokens=30, do_sample=False)  # a call changes nothing
+    assert store.sequences == 2 and store.lookup(prompt[0].tolist() + answer[:1], 16)[1] >= 11
+    layer = model.model.layers[0].mlp.down_proj
+    generator = torch.Generator().manual_seed(5)
+    if change == "in place":
+        with torch.no_grad():
+            layer.weight.add_(torch.randn(layer.weight.shape, generator=generator))
+    elif change == "through .data":  # bypasses autograd's version counter: the sampled elements see it
+        layer.weight.data.add_(torch.randn(layer.weight.shape, generator=generator))
+    else:
+        layer.weight = torch.nn.Parameter(layer.weight + torch.randn(layer.weight.shape, generator=generator))
+    report = check_greedy_lossless(model, prompt, drafter, FixedScheduler(16), max_new_tokens=30)
+    assert store.sequences == 1  # emptied before this call, which it then recorded
+    new = report.output[0, 10:].tolist()
+    assert new != answer and store.lookup(prompt[0].tolist() + new[:1], 16)[0] == new[1:17]
+
+
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_a_repeated_request_drafts_the_earlier_answer_and_stays_lossless(arch):
     model = tiny_model(arch, VOCAB, 2, seed=3)
@@ -180,6 +235,86 @@ def test_the_served_drafter_keeps_one_store_across_requests():
 
     assert cached_drafter(model, "default").online_store.sequences == 2
     assert taus[1] > 2 * taus[0]
+
+
+def served_call(model, prompt, request=None, **kwargs):
+    """A served call through the glue (HYBRID_SERVED=1 is set by the caller) with the request settings the server
+    gives it; every step drafts (see test_a_repeated_request_drafts_the_earlier_answer_and_stays_lossless)."""
+    if request is not None:
+        kwargs[SERVED_REQUEST] = SERVED_DEFAULTS | request
+    out, stats = glue_generate(
+        prompt,
+        model=model,
+        max_new_tokens=30,
+        do_sample=False,
+        return_stats=True,
+        scheduler=FixedScheduler(16),
+        **kwargs,
+    )
+    return out, stats.tau
+
+
+def test_a_served_request_drafts_only_from_its_own_clients_answers(monkeypatch):
+    """Served, a client's answers draft for that client alone: another client, a request without credentials and a
+    request the server gave no settings (plain transformers serve) draft as if nobody had asked before."""
+    from transformers import GenerationConfig
+
+    monkeypatch.setenv("HYBRID_SERVED", "1")
+    model = tiny_model("llama", VOCAB, 2, seed=12)
+    prompt = torch.randint(0, VOCAB, (1, 10), generator=torch.Generator().manual_seed(13))
+    expected = model.generate(prompt, max_new_tokens=30, do_sample=False)
+    first, fresh = served_call(model, prompt, {"store": "alice"})
+    again, repeat = served_call(model, prompt, {"store": "alice"})
+    assert torch.equal(first, expected) and torch.equal(again, expected) and repeat > 2 * fresh
+    config = GenerationConfig(max_new_tokens=30, do_sample=False)  # transformers < 5.25 carries them on the config
+    setattr(config, SERVED_REQUEST, SERVED_DEFAULTS | {"store": "carol"})
+    for others in ({"store": "bob"}, {"store": None}, None, {"generation_config": config}):
+        kwargs = others if others is not None and "generation_config" in others else {}
+        out, tau = served_call(model, prompt, others if not kwargs else None, **kwargs)
+        assert torch.equal(out, expected) and tau == fresh, others
+    assert getattr(config, SERVED_REQUEST)["store"] == "carol"  # the caller's config is left as it was
+
+
+def test_client_stores_are_bounded_least_recently_used_first(monkeypatch):
+    monkeypatch.setenv("HYBRID_SERVED", "1")
+    model = tiny_model("llama", VOCAB, 2, seed=14)
+    prompt = torch.randint(0, VOCAB, (1, 10), generator=torch.Generator().manual_seed(15))
+    bound = {"stores": 2, "store_tokens": 256}
+    _, fresh = served_call(model, prompt, {"store": "a", **bound})
+    for client in ("b", "a", "c"):  # c's store pushes out b's, the least recently used
+        served_call(model, prompt, {"store": client, **bound})
+    stores = _STORES[model]
+    assert len(stores) == 2 and stores.get("a").sequences == 2 and stores.get("a").max_tokens == 256
+    assert served_call(model, prompt, {"store": "b", **bound})[1] == fresh  # b starts over
+    with pytest.raises(ValueError, match="max_stores=0: keep at least one store"):
+        OnlineStores(0, 256)
+
+
+def test_a_served_stream_is_sent_in_fixed_chunks_not_per_verify_step(monkeypatch):
+    """What a stream's chunks show is how many tokens each chunk holds: a fixed number, whatever each verify step
+    accepted (the last chunk holds the rest)."""
+
+    class Recorder:
+        def __init__(self):
+            self.sizes = []
+
+        def put(self, value):
+            self.sizes.append(value.numel())
+
+        def end(self):
+            self.sizes.append("end")
+
+    monkeypatch.setenv("HYBRID_SERVED", "1")
+    model = tiny_model("llama", VOCAB, 2, seed=16)
+    prompt = torch.randint(0, VOCAB, (1, 10), generator=torch.Generator().manual_seed(17))
+    for request, chunk in (({"store": "a", "stream_chunk": 4}, 4), (None, SERVED_DEFAULTS["stream_chunk"])):
+        for _ in range(2):  # the second call accepts long drafts from the store
+            recorder = Recorder()
+            out, tau = served_call(model, prompt, request, streamer=recorder)
+            assert recorder.sizes == [10] + [chunk] * (30 // chunk) + ([30 % chunk] if 30 % chunk else []) + ["end"]
+    recorder = Recorder()
+    served_call(model, prompt, {"store": "a", "stream_chunk": 1}, streamer=recorder)  # the operator's choice
+    assert sum(recorder.sizes[1:-1]) == 30 and max(recorder.sizes[1:-1]) > 1  # each step's tokens as they come
 
 
 def test_drafter_for_adds_a_folder_trained_for_the_verifier_and_refuses_another_s(tmp_path):

@@ -656,3 +656,94 @@ def test_the_load_generator_measures_every_server_and_resumes(monkeypatch, tmp_p
     written = {"report.md", "summary.json"} | ({"latency.png"} if plots.available() else set())  # plots: optional
     assert written <= {p.name for p in tmp_path.iterdir()}
     assert serving.main(argv) == summary and len(started) == 3  # resumed: nothing left to measure, no server
+
+
+# --------------------------------------------------------------------------- clients kept apart
+
+
+@pytest.fixture(scope="module")
+def store_server(verifier_dir, tmp_path_factory):
+    """`python -m hybrid serve` of the verifier with the default drafter (lookup and online stores), as shipped:
+    a store per client, streams in chunks of 16 tokens."""
+    from experiments.serving import Server
+
+    folder = export_served(tmp_path_factory.mktemp("served") / "tiny-default", verifier_dir, "default")
+    server = Server("hybrid", folder, "cpu", tmp_path_factory.mktemp("server-logs") / "store.log")
+    try:
+        server.wait_ready(timeout=120)
+        yield Client(server.port, str(folder), server.log)
+    finally:
+        server.stop()
+
+
+def ask_as(client: Client, credential: str | None, body: dict) -> tuple[int, bytes, str]:
+    """(status, body, the server's log line of the request) of a chat request sent with `credential` as its
+    Authorization header (None: none)."""
+    headers = {"content-type": "application/json"}
+    if credential is not None:
+        headers["authorization"] = credential
+    before = len(client.logged())
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{client.port}/v1/chat/completions", json.dumps(body).encode(), headers
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            status, data = response.status, response.read()
+    except urllib.error.HTTPError as e:
+        status, data = e.code, e.read()
+    lines = [line for line in client.logged()[before:].splitlines() if " drafter: " in line]
+    return status, data, lines[-1] if lines else ""
+
+
+def test_a_clients_answers_draft_for_that_client_alone(store_server, reference):
+    """The served online store is keyed by the bearer token: a repeated request from its client drafts from the first
+    answer; the same request from another client, or from one without a token, drafts from nothing anyone asked."""
+    _, _, answer = reference
+    body = store_server.body(PROMPTS[2], 24, temperature=0)
+    seen = re.compile(r"this client's online store: \d+/65536 tokens, (\d+) sequences seen")
+    for credential, sequences in [
+        ("Bearer alice-key", "1"),
+        ("Bearer alice-key", "2"),
+        ("Bearer bob-key", "1"),
+        ("bearer  alice-key ", "3"),  # the same token, written otherwise
+        (None, None),
+        ("Bearer ", None),  # no token at all
+    ]:
+        status, data, line = ask_as(store_server, credential, body)
+        assert status == 200 and json.loads(data)["choices"][0]["message"]["content"] == answer(PROMPTS[2], 24)
+        found = seen.search(line)
+        assert (found and found.group(1)) == sequences, (credential, line)
+    settings = json.dumps({"hybrid_request": {"store": "shared"}})
+    status, data, _ = ask_as(store_server, "Bearer mallory", {**body, "generation_config": settings})
+    assert status == 400 and b"generation_config sets hybrid_request: the server sets it" in data
+
+
+def test_a_stream_in_chunks_is_the_whole_answer(store_server, reference):
+    _, _, answer = reference
+    text, events = store_server.stream(PROMPTS[1], 40, temperature=0)
+    assert text == answer(PROMPTS[1], 40) and events[-1]["usage"]["completion_tokens"] == 40
+
+
+def test_the_store_policy_keys_clients_as_the_operator_chose():
+    from hybrid.serving import StorePolicy
+
+    alice, bob = StorePolicy().request("alice"), StorePolicy().request("bob")
+    assert (
+        alice["store"] != bob["store"]
+        and "alice" not in alice["store"]
+        and StorePolicy().request(None)["store"] is None
+    )
+    shared = StorePolicy("shared", stores=4, store_tokens=1000)
+    assert (
+        shared.request("alice")
+        == shared.request(None)
+        == {"store": "shared", "stores": 1, "store_tokens": 4000, "stream_chunk": 16}
+    )
+    assert StorePolicy("off").request("alice")["store"] is None
+    for bad, message in [
+        ({"scope": "everyone"}, "online store scope 'everyone': choose one of per-client, shared, off"),
+        ({"stream_chunk": 0}, "stream_chunk=0: give whole numbers of at least 1"),
+        ({"store_tokens": 10}, "max_tokens=10 cannot hold"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            StorePolicy(**bad)

@@ -8,6 +8,7 @@ The file `python -m hybrid export-served` writes there names a drafter and calls
 
 from __future__ import annotations
 
+import copy
 import inspect
 import json
 import logging
@@ -17,10 +18,12 @@ import threading
 import weakref
 from pathlib import Path
 
+import torch
 from transformers import GenerationMixin
 
 import hybrid
-from drafters import Drafter
+from drafters import Drafter, PromptLookupDrafter
+from drafters.online_store import OnlineStore, OnlineStores
 from verifiers import CacheMemoryError
 
 # One line per call: tokens, verifier forwards, tau and tokens/s (`python -m hybrid serve` prints them).
@@ -33,6 +36,13 @@ SERVED = "HYBRID_SERVED"
 
 DRAFTER_NAMES = ("default", "block", "prompt-lookup", "none")
 
+# A served request's privacy settings, put among its generate arguments by `python -m hybrid serve`
+# (`hybrid.serving.keep_clients_apart`), never by the client: {"store": the key of the client's online store, or None
+# for none; "stores", "store_tokens": the bound on stores kept and each one's tokens; "stream_chunk": tokens per
+# streamed chunk}. A served call without it (plain `transformers serve` with HYBRID_SERVED=1) gets `SERVED_DEFAULTS`.
+SERVED_REQUEST = "hybrid_request"
+SERVED_DEFAULTS = {"store": None, "stores": 32, "store_tokens": 1 << 16, "stream_chunk": 16}
+
 # `model.generate`'s parameters in positional order (after self): a loaded folder's `model.generate(ids, config)`
 # arrives here as `*args`.
 _POSITIONAL = [
@@ -44,6 +54,7 @@ _POSITIONAL = [
 # verifier -> {drafter name: drafter}; weak, so a drafter lives as long as its verifier and no longer
 # (`transformers serve` unloads an idle model).
 _DRAFTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_STORES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # verifier -> its served clients' OnlineStores
 _BUILDING = threading.Lock()  # two threads' first calls on one model build its drafter once
 
 
@@ -69,13 +80,21 @@ def generate(*args, model=None, drafter: str | Drafter | None = "default", **kwa
     if isinstance(drafter, Path):
         drafter = str(drafter)
     label = "no" if drafter in (None, "none") else drafter if isinstance(drafter, str) else type(drafter).__name__
+    return_stats = kwargs.pop("return_stats", False)
+    served = os.environ.get(SERVED) == "1"
+    request = served_request(kwargs, served)
+    store = None
     if isinstance(drafter, str):
         drafter = cached_drafter(model, drafter)
         # Each call drafts with its own copy (a server answers requests on several threads); the copies share the
-        # weights and the online store, which is how a request learns from the ones before it.
+        # weights and the online store, which is how a request learns from the ones before it. A served request's
+        # copy drafts from its client's store instead (or none), never from another client's answers.
         drafter = drafter.fork() if drafter is not None else None
-    return_stats = kwargs.pop("return_stats", False)
-    served = os.environ.get(SERVED) == "1"
+        if request is not None and drafter is not None:
+            store = client_store(model, request)
+            drafter = drafting_from(drafter, store)
+    if request is not None and kwargs.get("streamer") is not None and request["stream_chunk"] > 1:
+        kwargs["streamer"] = ChunkedStreamer(kwargs["streamer"], request["stream_chunk"])
     if served:
         log_each_call()
     try:
@@ -84,7 +103,8 @@ def generate(*args, model=None, drafter: str | Drafter | None = "default", **kwa
         if not served:
             raise
         raise ValueError(str(error)) from error  # the request's fault: transformers serve passes on a ValueError
-    logger.info("%s drafter: %s", label, stats.summary())
+    mine = f"; this client's {store.summary()}" if store is not None else ""
+    logger.info("%s drafter: %s%s", label, stats.summary(), mine)
     return (output, stats) if return_stats else output
 
 
@@ -103,6 +123,67 @@ def warm_up(model, processor=None) -> None:
         default_scheduler(drafter, model).reset(drafter, model)
     prepare_kernels(model)
     settle_probes(model)
+
+
+def served_request(kwargs: dict, served: bool) -> dict | None:
+    """The request's `SERVED_REQUEST` settings, taken out of `kwargs` (from transformers 5.25 a generate argument;
+    before, an attribute of the request's generation_config), over `SERVED_DEFAULTS`; a call that is not served and
+    has none gets None (a script's calls share the drafter's store)."""
+    request = kwargs.pop(SERVED_REQUEST, None)
+    config = kwargs.get("generation_config")
+    if config is not None and hasattr(config, SERVED_REQUEST):
+        config = copy.deepcopy(config)
+        request = getattr(config, SERVED_REQUEST)
+        delattr(config, SERVED_REQUEST)
+        kwargs["generation_config"] = config
+    if request is None and not served:
+        return None
+    return SERVED_DEFAULTS | (request or {})
+
+
+def client_store(model, request: dict) -> OnlineStore | None:
+    """The online store of the request's client (None: the request has none), one of at most `stores` per model."""
+    if request["store"] is None:
+        return None
+    with _BUILDING:
+        stores = _STORES.get(model)
+        if stores is None or (stores.max_stores, stores.max_tokens) != (request["stores"], request["store_tokens"]):
+            stores = _STORES[model] = OnlineStores(request["stores"], request["store_tokens"])
+    return stores.get(request["store"])
+
+
+def drafting_from(drafter: Drafter, store: OnlineStore | None) -> Drafter:
+    """`drafter` (a fork) with each of its lookups that keeps an online store keeping `store` instead (None: none)."""
+    for source in getattr(drafter, "sources", [drafter]):
+        if isinstance(source, PromptLookupDrafter) and source.online_store is not None:
+            source.online_store = store
+    return drafter
+
+
+class ChunkedStreamer:
+    """Passes a streamer the committed tokens in chunks of `size` (the rest at the end), not a verify step's accepted
+    tokens as they come: a stream's chunk sizes and times would tell anyone who sees them (the client, the network)
+    how many drafted tokens each step accepted, which fingerprints the text and what the drafter holds (Wei et al.
+    2024, arXiv 2411.01076, who propose this aggregation). The first `put` (the prompt) passes as it is."""
+
+    def __init__(self, streamer, size: int):
+        self.streamer, self.size = streamer, size
+        self.pending: torch.Tensor | None = None
+
+    def put(self, value: torch.Tensor) -> None:
+        if self.pending is None:  # the prompt
+            self.pending = value.new_empty(0)
+            self.streamer.put(value)
+            return
+        self.pending = torch.cat([self.pending, value.reshape(-1)])
+        while self.pending.shape[0] >= self.size:
+            self.streamer.put(self.pending[: self.size])
+            self.pending = self.pending[self.size :]
+
+    def end(self) -> None:
+        if self.pending is not None and self.pending.numel():
+            self.streamer.put(self.pending)
+        self.streamer.end()
 
 
 def log_each_call() -> None:
