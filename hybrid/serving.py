@@ -339,7 +339,15 @@ def check_request(body: dict, endpoint: str) -> None:
         raise RequestFieldError("stream", f"stream={body['stream']!r}: give true or false")
     check_stop(body.get("stop"))
     check_logit_bias(body.get("logit_bias"))
-    request_settings(body)
+    drafter = request_settings(body).get("drafter", DRAFTER_NAMES[0])
+    if (
+        drafter is not None and drafter not in DRAFTER_NAMES
+    ):  # a folder would be read from the server's disk at a stranger's choice
+        raise RequestFieldError(
+            "generation_config",
+            f"generation_config sets drafter={json.dumps(drafter)[:80]}: a request may choose one of "
+            f"{', '.join(DRAFTER_NAMES)}; a drafter folder is the operator's (`python -m hybrid serve --drafter DIR`)",
+        )
 
 
 def check_stop(stop) -> None:

@@ -347,6 +347,11 @@ BAD_REQUESTS = {
         r"messages\[0\] must be an object with a string role",
     ),
     "max_tokens -5": (lambda body: {**body, "max_tokens": -5}, False, r"max_tokens=-5: ask for a whole number"),
+    "a drafter folder of the server's": (
+        lambda body: {**body, "generation_config": json.dumps({"drafter": "/etc"})},
+        False,
+        r"generation_config sets drafter=\"/etc\": a request may choose one of default, block",
+    ),
     "max_tokens -5, streamed": (lambda body: {**body, "max_tokens": -5}, True, r"max_tokens=-5"),
     "max_tokens lots": (lambda body: {**body, "max_tokens": "lots"}, False, r"max_tokens='lots': ask for a whole"),
     "max_tokens 2.5": (lambda body: {**body, "max_tokens": 2.5}, False, r"max_tokens=2\.5"),
