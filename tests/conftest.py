@@ -35,6 +35,17 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture
+def served_logger(monkeypatch):
+    """The glue's "hybrid.serving" logger, left as found afterwards: served (HYBRID_SERVED=1), the glue gives it a
+    handler on the stderr of the moment and stops it propagating, which would hide later tests' lines."""
+    from hybrid.custom_generate.generate import logger
+
+    for name in ("handlers", "propagate", "level"):
+        monkeypatch.setattr(logger, name, list(logger.handlers) if name == "handlers" else getattr(logger, name))
+    return logger
+
+
 def pytest_terminal_summary(terminalreporter):
     from hybrid.testing import GREEDY_CHECKS, NEAR_TIE_EPS, SAMPLE_EPS, SAMPLING_CHECKS
 

@@ -254,7 +254,7 @@ def served_call(model, prompt, request=None, **kwargs):
     return out, stats.tau
 
 
-def test_a_served_request_drafts_only_from_its_own_clients_answers(monkeypatch):
+def test_a_served_request_drafts_only_from_its_own_clients_answers(monkeypatch, served_logger):
     """Served, a client's answers draft for that client alone: another client, a request without credentials and a
     request the server gave no settings (plain transformers serve) draft as if nobody had asked before."""
     from transformers import GenerationConfig
@@ -275,7 +275,7 @@ def test_a_served_request_drafts_only_from_its_own_clients_answers(monkeypatch):
     assert getattr(config, SERVED_REQUEST)["store"] == "carol"  # the caller's config is left as it was
 
 
-def test_client_stores_are_bounded_least_recently_used_first(monkeypatch):
+def test_client_stores_are_bounded_least_recently_used_first(monkeypatch, served_logger):
     monkeypatch.setenv("HYBRID_SERVED", "1")
     model = tiny_model("llama", VOCAB, 2, seed=14)
     prompt = torch.randint(0, VOCAB, (1, 10), generator=torch.Generator().manual_seed(15))
@@ -290,9 +290,9 @@ def test_client_stores_are_bounded_least_recently_used_first(monkeypatch):
         OnlineStores(0, 256)
 
 
-def test_a_served_stream_is_sent_in_fixed_chunks_not_per_verify_step(monkeypatch):
-    """What a stream's chunks show is how many tokens each chunk holds: a fixed number, whatever each verify step
-    accepted (the last chunk holds the rest)."""
+def test_a_served_stream_is_sent_in_fixed_chunks_not_per_verify_step(monkeypatch, served_logger):
+    """What a stream's chunks show is how many tokens each chunk holds: the prefill's one token, then a fixed number,
+    whatever each verify step accepted (the last chunk holds the rest)."""
 
     class Recorder:
         def __init__(self):
@@ -311,7 +311,8 @@ def test_a_served_stream_is_sent_in_fixed_chunks_not_per_verify_step(monkeypatch
         for _ in range(2):  # the second call accepts long drafts from the store
             recorder = Recorder()
             out, tau = served_call(model, prompt, request, streamer=recorder)
-            assert recorder.sizes == [10] + [chunk] * (30 // chunk) + ([30 % chunk] if 30 % chunk else []) + ["end"]
+            rest = [chunk] * (29 // chunk) + ([29 % chunk] if 29 % chunk else [])
+            assert recorder.sizes == [10, 1] + rest + ["end"]
     recorder = Recorder()
     served_call(model, prompt, {"store": "a", "stream_chunk": 1}, streamer=recorder)  # the operator's choice
     assert sum(recorder.sizes[1:-1]) == 30 and max(recorder.sizes[1:-1]) > 1  # each step's tokens as they come

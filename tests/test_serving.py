@@ -137,14 +137,12 @@ def test_each_call_logs_tau_and_tokens_per_second(reference, caplog):
     assert re.search(r"no drafter: 6 tokens in 6 verifier forwards: tau 1\.00, [0-9.]+ tok/s", caplog.text)
 
 
-def test_served_the_glue_raises_a_refusal_as_the_requests_fault(reference, monkeypatch, capsys):
+def test_served_the_glue_raises_a_refusal_as_the_requests_fault(reference, monkeypatch, capsys, served_logger):
     """Under `python -m hybrid serve` (HYBRID_SERVED=1, inherited by the process a server decodes in) what hybrid
     refuses is a ValueError, which transformers serve answers 400, and each call prints its line; a library caller
     gets hybrid's own error."""
-    from hybrid.custom_generate.generate import SERVED, logger
+    from hybrid.custom_generate.generate import SERVED
 
-    for name in ("handlers", "propagate", "level"):  # served, the glue prints its lines: left as found afterwards
-        monkeypatch.setattr(logger, name, list(logger.handlers) if name == "handlers" else getattr(logger, name))
     model, tokenizer, _ = reference
     ids = chat_ids(tokenizer, "hi")
     with pytest.raises(TypeError, match=r"top_k='5' \(str\)"):

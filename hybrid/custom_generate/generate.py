@@ -164,14 +164,17 @@ class ChunkedStreamer:
     """Passes a streamer the committed tokens in chunks of `size` (the rest at the end), not a verify step's accepted
     tokens as they come: a stream's chunk sizes and times would tell anyone who sees them (the client, the network)
     how many drafted tokens each step accepted, which fingerprints the text and what the drafter holds (Wei et al.
-    2024, arXiv 2411.01076, who propose this aggregation). The first `put` (the prompt) passes as it is."""
+    2024, arXiv 2411.01076, who propose this aggregation). The prompt and the prefill's token (one per request,
+    whatever was drafted, so it tells nothing) pass at once: the first token is not held back."""
 
     def __init__(self, streamer, size: int):
         self.streamer, self.size = streamer, size
+        self.puts = 0
         self.pending: torch.Tensor | None = None
 
     def put(self, value: torch.Tensor) -> None:
-        if self.pending is None:  # the prompt
+        self.puts += 1
+        if self.puts <= 2:  # the prompt, then the prefill's token
             self.pending = value.new_empty(0)
             self.streamer.put(value)
             return
