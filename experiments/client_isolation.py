@@ -16,10 +16,9 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import time
 from pathlib import Path
 
-from experiments.serving import Server
+from experiments.serving import Server, stream_request
 
 POLICIES = {
     "shared store, per-step chunks": ("--online-store", "shared", "--stream-chunk", "1"),
@@ -44,21 +43,9 @@ def streamed(server: Server, model: str, client: str, prompt: str, max_tokens: i
     from openai import OpenAI
 
     api = OpenAI(base_url=f"{server.url}/v1", api_key=client, max_retries=0, timeout=600)
-    start, first, chunks = time.perf_counter(), None, 0
-    stream = api.chat.completions.create(
-        model=model,
-        messages=[{"role": "user", "content": prompt}],
-        max_tokens=max_tokens,
-        temperature=0,
-        stream=True,
-    )
-    for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content:
-            first = first or time.perf_counter()
-            chunks += 1
-    end = time.perf_counter()
+    request = stream_request(api, model, prompt, max_tokens)
     taus = TAU.findall(server.log.read_text(errors="replace"))
-    return {"seconds": end - start, "ttft": (first or end) - start, "chunks": chunks, "tau": float(taus[-1])}
+    return {"seconds": request["total"], "ttft": request["ttft"], "chunks": request["chunks"], "tau": float(taus[-1])}
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

@@ -118,7 +118,8 @@ def tail(path: Path, lines: int = 20) -> str:
 
 
 def stream_request(client, model: str, prompt: str, max_tokens: int) -> dict:
-    """One streaming greedy chat request; times from the call to the first content and to the last chunk."""
+    """One streaming greedy chat request; times from the call to the first content and to the last chunk, and the
+    content chunks it came in."""
     start = time.perf_counter()
     first, tokens, text = None, None, []
     stream = client.chat.completions.create(
@@ -139,7 +140,14 @@ def stream_request(client, model: str, prompt: str, max_tokens: int) -> dict:
     if tokens is None:
         raise RuntimeError("the server's stream ended without a usage count")
     ttft = (first or time.perf_counter()) - start
-    return {"ttft": ttft, "total": total, "tokens": tokens, "tokens_per_s": tokens / total, "text": "".join(text)}
+    return {
+        "ttft": ttft,
+        "total": total,
+        "tokens": tokens,
+        "tokens_per_s": tokens / total,
+        "text": "".join(text),
+        "chunks": len(text),
+    }
 
 
 def run_level(server: Server, model: str, prompts: list[str], concurrency: int, requests: int, max_tokens: int):

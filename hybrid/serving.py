@@ -48,8 +48,9 @@ logger = logging.getLogger("hybrid.serving")
 @contextlib.contextmanager
 def request_rules(policy: StorePolicy | None = None):
     """While `transformers serve` builds its app here, give its chat, text and responses handlers hybrid's request
-    rules (`add_request_rules`), make the app answer what it refuses (`answer_failures`), keep its clients apart as
-    `policy` says (`keep_clients_apart`) and warm its model up before it serves (`warm_up_first`)."""
+    rules (`add_request_rules`, which keep its clients apart as `policy` says), make the app answer what it refuses
+    (`answer_failures`), read each request's client (`ClientCredential`) and warm its model up before it serves
+    (`warm_up_first`)."""
     from transformers.cli.serving import server
 
     build_server = server.build_server
@@ -57,15 +58,15 @@ def request_rules(policy: StorePolicy | None = None):
 
     def build_with_rules(*args, **kwargs):
         handlers = signature.bind(*args, **kwargs).arguments
+        clients = policy or StorePolicy()
         for name, endpoint in (
             ("chat_handler", "chat"),
             ("completion_handler", "text"),
             ("response_handler", "responses"),
         ):
-            add_request_rules(handlers[name], endpoint)
+            add_request_rules(handlers[name], endpoint, clients)
         app = answer_failures(build_server(*args, **kwargs))
-        rules = [handlers[name] for name in ("chat_handler", "completion_handler", "response_handler")]
-        app = keep_clients_apart(app, rules, policy or StorePolicy())
+        app.add_middleware(ClientCredential, header=clients.header)
         return warm_up_first(app, handlers["model_manager"])
 
     server.build_server = build_with_rules
@@ -75,9 +76,11 @@ def request_rules(policy: StorePolicy | None = None):
         server.build_server = build_server
 
 
-def add_request_rules(handler, endpoint: str) -> None:
+def add_request_rules(handler, endpoint: str, clients: StorePolicy) -> None:
     """Check each request before transformers reads it, sample where it asks for a temperature above 0, pass on its
-    logit_bias, refuse tools its chat template would drop, and end its answer before a stop sequence."""
+    logit_bias, refuse tools its chat template would drop, end its answer before a stop sequence, and give its
+    `generate` its client's `SERVED_REQUEST` settings (`StorePolicy.request`, from the credential `ClientCredential`
+    read as the request arrived)."""
     validate = handler._validate_request
 
     def validate_request(body: dict) -> None:
@@ -102,6 +105,7 @@ def add_request_rules(handler, endpoint: str) -> None:
                 kwargs["sequence_bias"] = {(int(token),): float(bias) for token, bias in body["logit_bias"].items()}
             elif body.get("logit_bias") == {}:  # asks for nothing (transformers passes it on, and generate refuses it)
                 kwargs.pop("sequence_bias", None)
+            kwargs[SERVED_REQUEST] = clients.request(_CREDENTIAL.get())
             return kwargs
 
         handler._build_generation_kwargs = build_generation_kwargs
@@ -114,6 +118,7 @@ def add_request_rules(handler, endpoint: str) -> None:
         def build_generation_config(body: dict, model_generation_config, use_cb: bool = False):
             config = build_config(body, model_generation_config, use_cb=use_cb)
             config.do_sample = sample_as_asked(body, config.do_sample)
+            setattr(config, SERVED_REQUEST, clients.request(_CREDENTIAL.get()))  # carried as an attribute
             return config
 
         handler._build_generation_config = build_generation_config
@@ -167,37 +172,6 @@ class StorePolicy:
 
 
 _SALT = secrets.token_bytes(16)  # this server's, for `StorePolicy.request`'s keys
-
-
-def keep_clients_apart(app, handlers: list, policy: StorePolicy):
-    """Give each request's `generate` its client's `SERVED_REQUEST` settings (`StorePolicy.request`), from the header
-    the policy names, which the app reads into `_CREDENTIAL` as each request arrives. A request that sets them in its
-    generation_config is refused: they are the server's to set."""
-
-    def settings(body: dict) -> dict:
-        if SERVED_REQUEST in request_settings(body):
-            raise ValueError(f"generation_config sets {SERVED_REQUEST}: the server sets it; leave it out")
-        return policy.request(_CREDENTIAL.get())
-
-    for handler in handlers:
-        if hasattr(handler, "_build_generation_kwargs"):  # transformers >= 5.25: a request's `generate` arguments
-            build_kwargs = handler._build_generation_kwargs
-
-            def build_generation_kwargs(body: dict, model_generation_config, build_kwargs=build_kwargs) -> dict:
-                return build_kwargs(body, model_generation_config) | {SERVED_REQUEST: settings(body)}
-
-            handler._build_generation_kwargs = build_generation_kwargs
-        else:  # transformers < 5.25: a request's GenerationConfig, which carries them as an attribute
-            build_config = handler._build_generation_config
-
-            def build_generation_config(body: dict, model_generation_config, use_cb=False, build_config=build_config):
-                config = build_config(body, model_generation_config, use_cb=use_cb)
-                setattr(config, SERVED_REQUEST, settings(body))
-                return config
-
-            handler._build_generation_config = build_generation_config
-    app.add_middleware(ClientCredential, header=policy.header)
-    return app
 
 
 class ClientCredential:
@@ -339,7 +313,12 @@ def check_request(body: dict, endpoint: str) -> None:
         raise RequestFieldError("stream", f"stream={body['stream']!r}: give true or false")
     check_stop(body.get("stop"))
     check_logit_bias(body.get("logit_bias"))
-    drafter = request_settings(body).get("drafter", DRAFTER_NAMES[0])
+    settings = request_settings(body)
+    if SERVED_REQUEST in settings:  # where a client could name another's store
+        raise RequestFieldError(
+            "generation_config", f"generation_config sets {SERVED_REQUEST}: the server sets it; leave it out"
+        )
+    drafter = settings.get("drafter", DRAFTER_NAMES[0])
     if (
         drafter is not None and drafter not in DRAFTER_NAMES
     ):  # a folder would be read from the server's disk at a stranger's choice

@@ -133,12 +133,17 @@ def test_the_rotary_state_an_earlier_call_left_is_where_hybrid_starts(tmp_path, 
     check_greedy_lossless(model, prompt, PromptLookupDrafter(), max_new_tokens=10)
 
 
+def padded_pair():
+    """Two prompts of four tokens, the first left-padded by one, and greedy settings with their mask."""
+    ids, mask = torch.tensor([[0, 5, 6, 7], [4, 5, 6, 7]]), torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
+    return ids, mask, {"attention_mask": mask, "pad_token_id": 0, "do_sample": False}
+
+
 def test_a_batch_that_would_reach_a_rotary_switch_is_refused():
     """The switch reads a forward's last position over the whole batch, which hybrid's uneven rows reach at other
     steps than `generate`'s: a batch that stays within it is served, one that would reach it is refused."""
     model = switching_rope_model("longrope", 0)
-    ids, mask = torch.tensor([[0, 5, 6, 7], [4, 5, 6, 7]]), torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
-    settings = {"attention_mask": mask, "pad_token_id": 0, "do_sample": False}
+    ids, mask, settings = padded_pair()
     assert torch.equal(
         hybrid.generate(model, ids, drafter=PromptLookupDrafter(), max_new_tokens=12, **settings),
         model.generate(ids, max_new_tokens=12, **settings),
@@ -194,8 +199,7 @@ def test_a_batch_or_a_padded_prompt_that_would_reach_a_reread_is_refused():
     """`generate` re-reads at a length that counts a row's padding, which hybrid's rows do not share: refused by
     name where a call would reach it, served where it stays short of it."""
     model = tiny_phi("phi3")
-    ids, mask = torch.tensor([[0, 5, 6, 7], [4, 5, 6, 7]]), torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
-    settings = {"attention_mask": mask, "pad_token_id": 0, "do_sample": False}
+    ids, mask, settings = padded_pair()
     assert torch.equal(
         hybrid.generate(model, ids, drafter=PromptLookupDrafter(), max_new_tokens=20, **settings),
         model.generate(ids, max_new_tokens=20, **settings),

@@ -27,10 +27,7 @@ _BASE = GenerationMixin.prepare_inputs_for_generation
 
 def overrides_step_inputs(model) -> bool:
     """Whether `model`'s class has a `prepare_inputs_for_generation` of its own."""
-    return (
-        getattr(type(model).prepare_inputs_for_generation, "__func__", type(model).prepare_inputs_for_generation)
-        is not _BASE
-    )
+    return type(model).prepare_inputs_for_generation is not _BASE
 
 
 class _CacheOfLength(DynamicCache):

@@ -539,9 +539,10 @@ class Verifier:
         embedding switches frequencies by a forward's last position, the forward stays on one side of the switch,
         and a forward ends before a position at which `generate` re-reads the sequence."""
         position = self.length(row)
-        room = positions_room(self.rope_switches, position) if self.rope_switches else None
-        ahead = [q - position - 1 for q in self.rereads if q > position]
-        return min([room] + ahead if room is not None else ahead) if ahead else room
+        rooms = [q - position - 1 for q in self.rereads if q > position]
+        if self.rope_switches and (room := positions_room(self.rope_switches, position)) is not None:
+            rooms.append(room)
+        return min(rooms) if rooms else None
 
     def plan_rereads(self, prompt_len: int, max_length: int, masked: bool, rows: int) -> None:
         """Find where, for a prompt of `prompt_len` tokens decoded to `max_length`, the model's `generate` drops its

@@ -37,7 +37,7 @@ SERVED = "HYBRID_SERVED"
 DRAFTER_NAMES = ("default", "block", "prompt-lookup", "none")
 
 # A served request's privacy settings, put among its generate arguments by `python -m hybrid serve`
-# (`hybrid.serving.keep_clients_apart`), never by the client: {"store": the key of the client's online store, or None
+# (`hybrid.serving.add_request_rules`), never by the client: {"store": the key of the client's online store, or None
 # for none; "stores", "store_tokens": the bound on stores kept and each one's tokens; "stream_chunk": tokens per
 # streamed chunk}. A served call without it (plain `transformers serve` with HYBRID_SERVED=1) gets `SERVED_DEFAULTS`.
 SERVED_REQUEST = "hybrid_request"
