@@ -29,17 +29,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import Qwen3Config
-from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
 from drafters.base import Draft, DraftContext, Drafter, check_same_verifier
 from drafters.block_diffusion import verifier_fingerprint
 from drafters.context import gather_context, sync_context
+from drafters.dflash_model import DFlashNetwork, dflash_value, layer_masks
 from drafters.tree import tree_below
 
 CONFIG_NAME = "config.json"
 # The model code a folder carries for `AutoModel.from_pretrained(folder, trust_remote_code=True)` (z-lab's documented
-# loading call), named as z-lab's folders name theirs.
-MODEL_CODE = Path(__file__).parent / "dflash_export" / "dflash.py"
+# loading call): the file that defines the model here, under the name z-lab's folders give theirs.
+MODEL_CODE, MODEL_CODE_NAME = Path(__file__).with_name("dflash_model.py"), "dflash.py"
 AUTO_MAP = {"AutoModel": "dflash.DFlashDraftModel"}
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"  # sharded weights, as transformers writes them
@@ -76,95 +77,10 @@ FORMAT_HINT = (
 )
 
 
-def dflash_value(config: Qwen3Config, name: str, default=None):
-    """A DFlash field: from `dflash_config`, else the top level (published configs keep `block_size` at either)."""
-    value = (getattr(config, "dflash_config", None) or {}).get(name)
-    return getattr(config, name, default) if value is None else value
-
-
-def layer_kind(config: Qwen3Config, index: int) -> tuple[bool, int | None]:
-    """(causal, window) of drafter layer `index`, as vLLM and SGLang serve it: full-attention layers see the whole
-    block, sliding-window layers (Qwen3.6's drafters) see it causally within `sliding_window`; `is_causal`, else
-    `dflash_config.causal`, sets the causality of every layer (vLLM's order)."""
-    sliding = config.layer_types[index] == "sliding_attention"
-    window = config.sliding_window if sliding else None
-    forced = getattr(config, "is_causal", None)
-    if forced is None:
-        forced = (getattr(config, "dflash_config", None) or {}).get("causal")
-    return (sliding if forced is None else bool(forced)), window
-
-
-def layer_masks(kinds, query_positions, key_positions, visible) -> list[torch.Tensor | None]:
-    """Per layer, the boolean attention mask [S, 1, q, k] (True = may attend; None = every key) for queries at
-    `query_positions` [S, q] and keys at `key_positions` [S, k], given `visible` [S, q, k] (the keys a query may see
-    in any layer; None = all): causal layers add key <= query, windowed ones |query - key| < window (one side when
-    causal), as the reference's mask does."""
-    masks = {}
-    for kind in set(kinds):
-        causal, window = kind
-        mask = visible
-        if causal or window:
-            distance = query_positions[:, :, None] - key_positions[:, None, :]
-            rule = distance >= 0 if causal else torch.ones_like(distance, dtype=torch.bool)
-            if window:
-                rule = rule & (distance < window) & (causal | (-distance < window))
-            mask = rule if mask is None else mask & rule
-        masks[kind] = None if mask is None else mask[:, None]
-    return [masks[kind] for kind in kinds]
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on x [S, heads, n, d] with cos/sin [S, n, d] (the rotate-half convention of Qwen3 and Llama)."""
-    return x * cos[:, None] + rotate_half(x) * sin[:, None]
-
-
-class DFlashAttention(nn.Module):
-    """Qwen3 attention whose keys/values are [the fused context's ; the block's], with q/k RMSNorm per head."""
-
-    def __init__(self, config: Qwen3Config):
-        super().__init__()
-        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim = config.head_dim
-        bias = config.attention_bias
-        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
-        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
-
-    def keys_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Normed, rotated keys and values [S, kv_heads, n, d] of inputs x [S, n, hidden]."""
-        shape = (*x.shape[:-1], self.num_kv_heads, self.head_dim)
-        k = self.k_norm(self.k_proj(x).view(shape)).transpose(1, 2)
-        return rotate(k, cos, sin), self.v_proj(x).view(shape).transpose(1, 2)
-
-    def forward(self, x, context_k, context_v, cos, sin, mask):
-        q = self.q_norm(self.q_proj(x).view(*x.shape[:-1], self.num_heads, self.head_dim)).transpose(1, 2)
-        k, v = self.keys_values(x, cos, sin)
-        k, v = torch.cat([context_k, k], dim=2), torch.cat([context_v, v], dim=2)
-        out = F.scaled_dot_product_attention(rotate(q, cos, sin), k, v, attn_mask=mask, enable_gqa=True)
-        return self.o_proj(out.transpose(1, 2).flatten(2))
-
-
-class DFlashLayer(nn.Module):
-    """A Qwen3 decoder layer (pre-norm attention, then a SwiGLU MLP) over [context ; block] keys."""
-
-    def __init__(self, config: Qwen3Config):
-        super().__init__()
-        self.self_attn = DFlashAttention(config)
-        self.mlp = Qwen3MLP(config)
-        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-
-    def forward(self, x, context_k, context_v, cos, sin, mask):
-        x = x + self.self_attn(self.input_layernorm(x), context_k, context_v, cos, sin, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class DFlashModel(nn.Module):
-    """The weights of a DFlash checkpoint, named as the format names them (`layers.i...`, `fc`, `hidden_norm`,
-    `norm`): context fusion, the layers and the final norm."""
+class DFlashModel(DFlashNetwork, nn.Module):
+    """The weights of a DFlash checkpoint (`DFlashNetwork`) as hybrid's drafter runs them: its context
+    keys/values computed once per committed token, the block drafted over them; the verifier's embedding rows in, its
+    head's logits out."""
 
     def __init__(self, config: Qwen3Config):
         super().__init__()
@@ -172,13 +88,7 @@ class DFlashModel(nn.Module):
         self.target_layer_ids = tuple(int(i) for i in dflash_value(config, "target_layer_ids"))
         self.mask_token_id = int(dflash_value(config, "mask_token_id"))
         self.block_size = int(dflash_value(config, "block_size"))
-        target_hidden = getattr(config, "target_hidden_size", None) or config.hidden_size
-        self.layers = nn.ModuleList(DFlashLayer(config) for _ in range(config.num_hidden_layers))
-        self.fc = nn.Linear(len(self.target_layer_ids) * target_hidden, config.hidden_size, bias=False)
-        self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.rotary_emb = Qwen3RotaryEmbedding(config)  # every rope_type transformers knows (yarn, llama3, ...)
-        self.kinds = [layer_kind(config, i) for i in range(config.num_hidden_layers)]
+        self.add_network(config, len(self.target_layer_ids))
         self.embedding_scale = float(dflash_value(config, "input_embedding_scale", 1.0))
         self.output_multiplier = float(dflash_value(config, "output_multiplier", 1.0))
         self.softcap = float(dflash_value(config, "final_logit_softcapping", 0.0) or 0.0)
@@ -215,21 +125,10 @@ class DFlashModel(nn.Module):
             logits = logits * self.output_multiplier
         return torch.tanh(logits / self.softcap) * self.softcap if self.softcap > 0 else logits
 
-    def context(self, target_hidden: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer (keys, values) [S, kv_heads, n, d] of the verifier's concatenated states [S, n, ids * hidden]
-        at `positions` [S, n]."""
-        features = self.hidden_norm(self.fc(target_hidden.to(self.dtype)))
-        cos, sin = self.rotary_emb(features, positions)
-        return [layer.self_attn.keys_values(features, cos, sin) for layer in self.layers]
-
     def forward(self, block_embeds, block_positions, context, masks) -> torch.Tensor:
         """Final hidden states [S, q, hidden] of block inputs [S, q, hidden] at `block_positions` [S, q]; `context`
         from `context()`, `masks` from `layer_masks` (one per layer)."""
-        cos, sin = self.rotary_emb(block_embeds, block_positions)
-        x = block_embeds
-        for layer, (k, v), mask in zip(self.layers, context, masks):
-            x = layer(x, k, v, cos, sin, mask)
-        return self.norm(x)
+        return self.block_hidden(block_embeds, block_positions, context, masks)
 
 
 # -- the folder ---------------------------------------------------------------------------------------------------
@@ -359,7 +258,7 @@ def save_model(model: DFlashModel, path: str | Path, dtype: torch.dtype = torch.
     if "sliding_attention" in model.config.layer_types:  # else Qwen3Config drops the window on loading
         config.update(use_sliding_window=True, sliding_window=model.config.sliding_window)
     (path / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    shutil.copyfile(MODEL_CODE, path / MODEL_CODE.name)
+    shutil.copyfile(MODEL_CODE, path / MODEL_CODE_NAME)
 
 
 def check_verifier(config: Qwen3Config, verifier, fingerprint: bool = True) -> None:
@@ -492,7 +391,7 @@ class DFlashDrafter(Drafter):
         key_positions = torch.where(keys < slots, keys, keys - slots + n[:, None])  # a slot's position is its index
         visible = None
         if static or len(set(lengths)) > 1:  # [context slots ; block]: a row sees its own n slots and the block
-            visible = ((keys < n[:, None]) | (keys >= slots))[:, None, :].expand(-1, size, -1)
+            visible = ((keys < n[:, None]) | (keys >= slots))[:, None, None, :].expand(-1, -1, size, -1)
         masks = layer_masks(self.model.kinds, positions, key_positions, visible)
         forward = self.model
         if static:

@@ -1,10 +1,12 @@
 """A DFlash folder hybrid writes is deployable: it carries its model code and `auto_map`, so z-lab's documented
 `AutoModel.from_pretrained(folder, trust_remote_code=True)` loads it offline, with the weight names and shapes of
 hybrid's drafter and the same forward; its `spec_generate` decodes as the target's greedy `generate`; and hybrid
-reads its own exports and z-lab's folders as before."""
+reads its own exports and z-lab's folders as before. The folder's model code is the file that defines hybrid's
+DFlash model, so it imports nothing of hybrid."""
 
 from __future__ import annotations
 
+import ast
 import json
 import sys
 from pathlib import Path
@@ -14,8 +16,9 @@ import torch
 from test_dflash import VARIANTS, write_dflash_folder
 from transformers import AutoModel, DynamicCache
 
-from drafters import DFlashDrafter
-from drafters.dflash import layer_kind, layer_masks, read_config
+from drafters import DFlashDrafter, dflash_model
+from drafters.dflash import read_config
+from drafters.dflash_model import layer_kind, layer_masks
 from hybrid.testing import tiny_model
 
 VOCAB = 64
@@ -101,7 +104,18 @@ def test_hybrid_reads_its_export_as_the_folder_it_came_from(tmp_path):
     verifier, drafter, _ = exported(tmp_path, "llama", "sliding")
     again = DFlashDrafter.from_pretrained(tmp_path / "export", verifier, dtype=torch.float32)
     assert again.model.kinds == drafter.model.kinds and again.fingerprint == drafter.fingerprint
-    assert (tmp_path / "export" / "dflash.py").is_file()
+    assert (tmp_path / "export" / "dflash.py").read_bytes() == Path(dflash_model.__file__).read_bytes()
+
+
+def test_the_model_code_imports_only_torch_transformers_and_the_standard_library():
+    """The file runs from a folder copied anywhere, where hybrid's packages are not installed."""
+    tree = ast.parse(Path(dflash_model.__file__).read_text())
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    outside = {
+        name for name in imported if name.split(".")[0] not in {"torch", "transformers", *sys.stdlib_module_names}
+    }
+    assert not outside, f"drafters/dflash_model.py imports {sorted(outside)}: the exported folder could not load it"
 
 
 @pytest.mark.parametrize(

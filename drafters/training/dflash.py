@@ -14,7 +14,8 @@ import torch
 from transformers import Qwen3Config
 
 from drafters.block_diffusion import spread_layers, verifier_fingerprint, verifier_geometry
-from drafters.dflash import DFlashModel, layer_masks
+from drafters.dflash import DFlashModel
+from drafters.dflash_model import layer_masks
 from drafters.training.distill import FeatureStore
 
 
@@ -102,7 +103,7 @@ def dflash_forward(model: DFlashModel, embed, head, batch) -> torch.Tensor:
     sees_context = sees_context[:, :, None, :].expand(S, A, B, width).reshape(S, A * B, width)
     block_id = torch.arange(A, device=device).repeat_interleave(B)
     sees_block = (block_id[:, None] == block_id[None, :])[None].expand(S, -1, -1)
-    visible = torch.cat([sees_context, sees_block], dim=-1)
+    visible = torch.cat([sees_context, sees_block], dim=-1)[:, None]  # [S, 1, A * B, keys]: one mask for all heads
     masks = layer_masks(model.kinds, query_positions, key_positions, visible)
     out = model(embeds, query_positions, context, masks).reshape(S, A, B, -1)[:, :, 1:]
     return model.finish_logits(out @ head.T.to(out.dtype))

@@ -1,9 +1,11 @@
-"""DFlash draft model for `AutoModel.from_pretrained(folder, trust_remote_code=True)`.
+"""The DFlash draft model (Chen et al. 2026, "DFlash: Block Diffusion for Flash Speculative Decoding"): its layers,
+RoPE, attention and masks, defined once for hybrid's drafter and for the folders hybrid exports.
 
-hybrid writes this file into every DFlash folder it exports (config.json's `auto_map` names it), so the folder loads
-with the reference repository's documented call (z-lab/dflash README) without that repository: the same
-architecture, weight names and config fields as z-lab/dflash `dflash/model.py` (Chen et al. 2026, "DFlash: Block
-Diffusion for Flash Speculative Decoding"), written for hybrid, read the way vLLM and SGLang serve the folder.
+hybrid copies this file, as `dflash.py`, into every DFlash folder it writes (config.json's `auto_map` names it), so the
+folder loads with the reference repository's documented call, `AutoModel.from_pretrained(folder,
+trust_remote_code=True)` (z-lab/dflash README), without that repository: the same architecture, weight names and
+config fields as z-lab/dflash `dflash/model.py`, written for hybrid, read the way vLLM and SGLang serve the folder.
+`drafters.dflash` builds its drafter on the same `DFlashNetwork`.
 
 The drafter has no embedding and no LM head: the caller embeds the block `[anchor, mask x (B - 1)]` with the target's
 embedding and scores the output with the target's head. Its context is `hidden_norm(fc(concat))` of the target's
@@ -33,15 +35,16 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 
 
-def dflash_field(config, name: str, default=None):
+def dflash_value(config, name: str, default=None):
     """A DFlash field from `dflash_config`, else the top level (published configs keep `block_size` at either)."""
     value = (getattr(config, "dflash_config", None) or {}).get(name)
     return getattr(config, name, default) if value is None else value
 
 
-def layer_attention(config, index: int) -> tuple[bool, int | None]:
+def layer_kind(config, index: int) -> tuple[bool, int | None]:
     """(causal, window) of drafter layer `index`, resolved as vLLM resolves it: `is_causal`, then
-    `dflash_config.causal`, else causal exactly on `sliding_attention` layers, which see `sliding_window` keys."""
+    `dflash_config.causal`, else causal exactly on `sliding_attention` layers (Qwen3.6's drafters), which see
+    `sliding_window` keys."""
     layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
     sliding = layer_types[index] == "sliding_attention"
     window = config.sliding_window if sliding else None
@@ -56,29 +59,41 @@ def layer_attention(config, index: int) -> tuple[bool, int | None]:
     return (sliding if forced is None else bool(forced)), window
 
 
-def attention_mask(causal: bool, window: int | None, query_pos: torch.Tensor, key_pos: torch.Tensor):
-    """Boolean mask [B, 1, q, k] (True: may attend) for queries at `query_pos` [B, q] and keys at `key_pos` [B, k];
-    None where every key is visible. A window w keeps keys less than w positions away (the query's own included)."""
+def attention_rule(causal: bool, window: int | None, query_positions: torch.Tensor, key_positions: torch.Tensor):
+    """Boolean mask [S, 1, q, k] (True: may attend) of a layer of kind (causal, window) for queries at
+    `query_positions` [S, q] and keys at `key_positions` [S, k]; None where every key is visible. A window w keeps
+    keys less than w positions away (the query's own included)."""
     if not causal and not window:
         return None
-    distance = query_pos[:, :, None] - key_pos[:, None, :]
-    mask = distance >= 0 if causal else torch.ones_like(distance, dtype=torch.bool)
+    distance = query_positions[:, :, None] - key_positions[:, None, :]
+    rule = distance >= 0 if causal else torch.ones_like(distance, dtype=torch.bool)
     if window:
-        mask = mask & (distance < window) & (distance > -window)
-    return mask[:, None]
+        rule = rule & (distance < window) & (distance > -window)
+    return rule[:, None]
+
+
+def layer_masks(kinds, query_positions, key_positions, visible=None) -> list[torch.Tensor | None]:
+    """Per layer of `kinds` ((causal, window) each), its boolean attention mask [S, 1, q, k] (None: every key): the
+    layer's `attention_rule` and `visible` [S, 1, q, k], the keys a query may see in any layer (None: all). One
+    tensor per distinct kind."""
+    masks = {}
+    for kind in set(kinds):
+        rule = attention_rule(*kind, query_positions, key_positions)
+        masks[kind] = rule if visible is None else visible if rule is None else visible & rule
+    return [masks[kind] for kind in kinds]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on x [B, heads, n, d] with cos/sin [B, n, d] (rotate-half, as Qwen3 and Llama)."""
+    """RoPE on x [S, heads, n, d] with cos/sin [S, n, d] (the rotate-half convention of Qwen3 and Llama)."""
     return x * cos[:, None] + rotate_half(x) * sin[:, None]
 
 
-class Qwen3DFlashAttention(nn.Module):
+class DFlashAttention(nn.Module):
     """Qwen3 attention (q/k RMSNorm per head, GQA) whose keys and values are [the context's ; the block's]."""
 
     def __init__(self, config: Qwen3Config, layer_idx: int):
         super().__init__()
-        self.layer_idx = layer_idx
+        self.layer_idx = layer_idx  # its slot in a transformers Cache
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         bias = config.attention_bias
@@ -88,66 +103,89 @@ class Qwen3DFlashAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
         self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        self.causal, self.window = layer_attention(config, layer_idx)
 
-    def heads(self, x: torch.Tensor, num_heads: int) -> torch.Tensor:
-        return x.view(*x.shape[:-1], num_heads, self.head_dim)
+    def keys_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Normed, rotated keys and values [S, kv_heads, n, d] of inputs x [S, n, hidden]."""
+        shape = (*x.shape[:-1], self.num_kv_heads, self.head_dim)
+        k = self.k_norm(self.k_proj(x).view(shape)).transpose(1, 2)
+        return apply_rope(k, cos, sin), self.v_proj(x).view(shape).transpose(1, 2)
 
-    def forward(self, hidden_states, context, cos, sin, query_pos, key_pos, past_key_values=None, extra_mask=None):
-        q_len = hidden_states.shape[1]
-        both = torch.cat([context, hidden_states], dim=1)
-        q = self.q_norm(self.heads(self.q_proj(hidden_states), self.num_heads)).transpose(1, 2)
-        k = self.k_norm(self.heads(self.k_proj(both), self.num_kv_heads)).transpose(1, 2)
-        v = self.heads(self.v_proj(both), self.num_kv_heads).transpose(1, 2)
-        q, k = apply_rope(q, cos[:, -q_len:], sin[:, -q_len:]), apply_rope(k, cos, sin)
-        if past_key_values is not None:
-            k, v = past_key_values.update(k, v, self.layer_idx)
-        mask = attention_mask(self.causal, self.window, query_pos, key_pos)
-        if extra_mask is not None:
-            mask = extra_mask if mask is None else mask & extra_mask
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads)
+    def forward(self, x, context_k, context_v, cos, sin, mask, cache=None):
+        """The block's attention output [S, q, hidden] for block inputs x [S, q, hidden] at RoPE cos/sin [S, q, d],
+        over the context's keys/values [S, kv_heads, n, d] and the block's own; with a transformers `cache`, those
+        are appended to the keys/values it holds, and the queries see all of them."""
+        q = self.q_norm(self.q_proj(x).view(*x.shape[:-1], self.num_heads, self.head_dim)).transpose(1, 2)
+        k, v = self.keys_values(x, cos, sin)
+        k, v = torch.cat([context_k, k], dim=2), torch.cat([context_v, v], dim=2)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)
+        out = F.scaled_dot_product_attention(apply_rope(q, cos, sin), k, v, attn_mask=mask, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).flatten(2))
 
 
-class Qwen3DFlashDecoderLayer(nn.Module):
+class DFlashLayer(nn.Module):
     """A pre-norm Qwen3 decoder layer (attention, then a SwiGLU MLP) over [context ; block] keys."""
 
     def __init__(self, config: Qwen3Config, layer_idx: int):
         super().__init__()
-        self.self_attn = Qwen3DFlashAttention(config, layer_idx)
+        self.self_attn = DFlashAttention(config, layer_idx)
         self.mlp = Qwen3MLP(config)
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, hidden_states, context, cos, sin, query_pos, key_pos, past_key_values=None, extra_mask=None):
-        attended = self.self_attn(
-            self.input_layernorm(hidden_states), context, cos, sin, query_pos, key_pos, past_key_values, extra_mask
-        )
-        hidden_states = hidden_states + attended
-        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+    def forward(self, x, context_k, context_v, cos, sin, mask, cache=None):
+        x = x + self.self_attn(self.input_layernorm(x), context_k, context_v, cos, sin, mask, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class DFlashDraftModel(Qwen3PreTrainedModel):
-    """The DFlash drafter: `layers.i.*` (Qwen3 decoder layers), `fc` and `hidden_norm` (context fusion), `norm`."""
+class DFlashNetwork:
+    """The DFlash network, mixed into a torch module: its weights, named as the format names them (`layers.i.*`,
+    `fc`, `hidden_norm`, `norm`), and its two passes: the context's keys/values, then the block's hidden states."""
+
+    def add_network(self, config: Qwen3Config, num_context_layers: int) -> None:
+        """Add the modules of a drafter of `config` whose context concatenates `num_context_layers` target states."""
+        target_hidden = getattr(config, "target_hidden_size", None) or config.hidden_size
+        self.layers = nn.ModuleList(DFlashLayer(config, i) for i in range(config.num_hidden_layers))
+        self.fc = nn.Linear(num_context_layers * target_hidden, config.hidden_size, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(config)  # every rope_type transformers knows (yarn, llama3, ...)
+        self.kinds = [layer_kind(config, i) for i in range(config.num_hidden_layers)]
+
+    def context(self, target_hidden: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer (keys, values) [S, kv_heads, n, d] of the target's concatenated states [S, n, ids * hidden] at
+        `positions` [S, n]: a context token's depend on its own states and position only."""
+        features = self.hidden_norm(self.fc(target_hidden.to(self.fc.weight.dtype)))
+        cos, sin = self.rotary_emb(features, positions)
+        return [layer.self_attn.keys_values(features, cos, sin) for layer in self.layers]
+
+    def block_hidden(self, block_embeds, block_positions, context, masks, cache=None) -> torch.Tensor:
+        """Final hidden states [S, q, hidden] of block inputs [S, q, hidden] at `block_positions` [S, q]; `context`
+        from `context()`, `masks` from `layer_masks` (one per layer), `cache` a transformers Cache or None."""
+        cos, sin = self.rotary_emb(block_embeds, block_positions)
+        x = block_embeds
+        for layer, (k, v), mask in zip(self.layers, context, masks):
+            x = layer(x, k, v, cos, sin, mask, cache)
+        return self.norm(x)
+
+
+class DFlashDraftModel(DFlashNetwork, Qwen3PreTrainedModel):
+    """The DFlash drafter as the reference call loads it: `layers.i.*` (Qwen3 decoder layers), `fc` and
+    `hidden_norm` (context fusion), `norm`."""
 
     config_class = Qwen3Config
-    _no_split_modules = ["Qwen3DFlashDecoderLayer"]
+    _no_split_modules = ["DFlashLayer"]
     _can_record_outputs = {}
 
     def __init__(self, config: Qwen3Config):
         super().__init__(config)
-        ids = dflash_field(config, "target_layer_ids")
+        ids = dflash_value(config, "target_layer_ids")
         if not ids:
             raise ValueError("config.json has no dflash_config.target_layer_ids: the drafter cannot know its context")
         self.target_layer_ids = [int(i) for i in ids]
-        self.mask_token_id = dflash_field(config, "mask_token_id")
-        self.block_size = int(dflash_field(config, "block_size", 16))
-        target_hidden = getattr(config, "target_hidden_size", None) or config.hidden_size
-        self.layers = nn.ModuleList(Qwen3DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.fc = nn.Linear(len(self.target_layer_ids) * target_hidden, config.hidden_size, bias=False)
-        self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.rotary_emb = Qwen3RotaryEmbedding(config)
+        self.mask_token_id = dflash_value(config, "mask_token_id")
+        self.block_size = int(dflash_value(config, "block_size", 16))
+        self.add_network(config, len(self.target_layer_ids))
         self.post_init()
 
     def forward(
@@ -171,24 +209,20 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         """
         if position_ids.dim() == 1:
             position_ids = position_ids[None]
-        dtype = self.fc.weight.dtype
-        hidden_states = noise_embedding.to(dtype)
-        context = self.hidden_norm(self.fc(target_hidden.to(dtype)))
-        q_len, cached = hidden_states.shape[1], 0 if past_key_values is None else past_key_values.get_seq_length()
-        if position_ids.shape[1] != context.shape[1] + q_len:
+        hidden_states = noise_embedding.to(self.fc.weight.dtype)
+        n, q_len = target_hidden.shape[1], hidden_states.shape[1]
+        cached = 0 if past_key_values is None else past_key_values.get_seq_length()
+        if position_ids.shape[1] != n + q_len:
             raise ValueError(
                 f"position_ids covers {position_ids.shape[1]} tokens, target_hidden and noise_embedding "
-                f"{context.shape[1]} + {q_len}: give the positions of the new context, then of the block"
+                f"{n} + {q_len}: give the positions of the new context, then of the block"
             )
-        cos, sin = self.rotary_emb(hidden_states, position_ids)
+        context = self.context(target_hidden, position_ids[:, :n])
         earlier = torch.arange(cached, device=position_ids.device).expand(position_ids.shape[0], -1)
         key_pos, query_pos = torch.cat([earlier, position_ids], dim=1), position_ids[:, -q_len:]
-        extra_mask = None if attention_mask is None else attention_mask.bool()
-        for layer in self.layers:
-            hidden_states = layer(
-                hidden_states, context, cos, sin, query_pos, key_pos, past_key_values if use_cache else None, extra_mask
-            )
-        return self.norm(hidden_states)
+        visible = None if attention_mask is None else attention_mask.bool()
+        masks = layer_masks(self.kinds, query_pos, key_pos, visible)
+        return self.block_hidden(hidden_states, query_pos, context, masks, past_key_values if use_cache else None)
 
     @torch.inference_mode()
     def spec_generate(
