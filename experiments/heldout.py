@@ -44,6 +44,7 @@ from drafters.training.answer_sets import ANSWERS_NAME, load_answers
 from drafters.training.batches import VocabMap
 from drafters.training.distill import FeatureStore, build_features, held_out_indices, load_sequences
 from drafters.training.estimate import (
+    ScoringSettings,
     anchor_block_batches,
     estimate_tau,
     held_out_anchors,
@@ -247,28 +248,14 @@ def main(argv=None) -> None:
     for path, model in blocks:
         embed, head = frozen_verifier_parts(verifier, model.draft_vocab)
         vmap = VocabMap(model.draft_vocab, vocab_size)
+        scoring = ScoringSettings(model, embed, head, model.draft_vocab, vmap, model.config.block_size, store, anchors)
         for p in passes:
-            tau, by_position = estimate_tau(
-                "block", model, embed, head, store, anchors, vmap, model.draft_vocab, model.config.block_size, passes=p
-            )
+            tau, by_position = estimate_tau(scoring, passes=p)
             print(row(f"{path}, {p} pass{'es' if p > 1 else ''}", tau, by_position), flush=True)
         if args.fill:  # the default's chain: the lookup's tokens first, the block model fills the rest
             for m, p, k, cut in itertools.product(max_ngrams, passes, branches, cuts):
                 tau, by_position, share = lookup_fill_tau(
-                    model,
-                    embed,
-                    head,
-                    store,
-                    anchors,
-                    vmap,
-                    model.draft_vocab,
-                    model.config.block_size,
-                    ngrams,
-                    m,
-                    args.prefer_store,
-                    p,
-                    branch=k,
-                    refill_below=cut,
+                    scoring, ngrams, m, args.prefer_store, p, branch=k, refill_below=cut
                 )
                 lookup = f"prompt lookup{match(m)}" + (" + n-gram store" if ngrams is not None else "")
                 if args.prefer_store is not None and ngrams is not None:
@@ -291,17 +278,20 @@ def main(argv=None) -> None:
         vocab = torch.arange(vocab_size)
         embed, head = frozen_verifier_parts(verifier, vocab)
     for path, model in dflashes:
-        tau, by_position = estimate_tau(
-            "block", model, embed, head, store, anchors, VocabMap(vocab, vocab_size), vocab, model.block_size
+        scoring = ScoringSettings(
+            model, embed, head, vocab, VocabMap(vocab, vocab_size), model.block_size, store, anchors
         )
+        tau, by_position = estimate_tau(scoring)
         print(row(f"{path} (DFlash)", tau, by_position), flush=True)
     vocab = blocks[0][1].draft_vocab if blocks else None
     for path in args.ar:
         model = load_ar_model(path, verifier).float()
         embed, head = frozen_verifier_parts(verifier, vocab)
-        tau, by_position = estimate_tau(
-            "ar", model, embed, head, store, anchors, VocabMap(vocab, vocab_size), vocab, blocks[0][1].config.block_size
+        block_size = blocks[0][1].config.block_size
+        scoring = ScoringSettings(
+            model, embed, head, vocab, VocabMap(vocab, vocab_size), block_size, store, anchors, arch="ar"
         )
+        tau, by_position = estimate_tau(scoring)
         print(row(f"{path} (AR baseline)", tau, by_position), flush=True)
 
 

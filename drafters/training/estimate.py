@@ -7,13 +7,38 @@ or prompt lookup's) against the verifier's greedy continuation.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 
 from drafters.composite import sure_prefix_length
 from drafters.prompt_lookup import lookup_draft
-from drafters.training.batches import anchor_candidates, ar_batch, block_batch, block_targets, to_device
+from drafters.training.batches import VocabMap, anchor_candidates, ar_batch, block_batch, block_targets, to_device
 from drafters.training.models import ar_forward, block_forward
+
+if TYPE_CHECKING:
+    from drafters.training.distill import FeatureStore
+
+
+@dataclass(frozen=True)
+class ScoringSettings:
+    """What one held-out estimate scores, and on what: a drafter (`arch` "block", which a DFlash drafter drafts as,
+    or "ar"; its `model`, the verifier's frozen `embed` and `head` over its `vocab`, `vmap`, its `block_size`) on the
+    held-out `anchors` of `store` (`held_out_anchors`), `chunk_size` sequences a forward, on `device`."""
+
+    model: torch.nn.Module
+    embed: torch.nn.Module
+    head: torch.nn.Module
+    vocab: torch.Tensor
+    vmap: VocabMap
+    block_size: int
+    store: FeatureStore
+    anchors: list[tuple[int, np.ndarray]]
+    arch: str = "block"
+    device: str | torch.device = "cpu"
+    chunk_size: int = 4
 
 
 def accepted_lengths(predicted: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -76,28 +101,17 @@ def anchor_block_batches(store, anchors, block_size, vmap, device="cpu", chunk_s
 
 
 @torch.no_grad()
-def estimate_tau(
-    arch,
-    model,
-    embed,
-    head,
-    store,
-    anchors,
-    vmap,
-    vocab,
-    block_size,
-    device="cpu",
-    chunk_size: int = 4,
-    passes: int = 1,
-) -> tuple[float, np.ndarray]:
+def estimate_tau(settings: ScoringSettings, passes: int = 1) -> tuple[float, np.ndarray]:
     """tau = 1 + mean accepted length of one greedy draft of block_size - 1 tokens per held-out anchor,
     and the acceptance rate by block position (share of anchors whose first i drafts are all accepted).
     A block drafter runs `passes` denoising passes, each after the first with one more leading position fixed
     to its own prediction (`BlockDiffusionDrafter` with threshold 1)."""
+    model, embed, head, store, anchors = settings.model, settings.embed, settings.head, settings.store, settings.anchors
+    vmap, block_size, device, chunk_size = settings.vmap, settings.block_size, settings.device, settings.chunk_size
+    vocab = settings.vocab.to(device)
     model.eval()
     lengths = []
-    vocab = vocab.to(device)
-    if arch == "block":
+    if settings.arch == "block":
         for chunk, batch in anchor_block_batches(store, anchors, block_size, vmap, device, chunk_size):
             predicted = greedy_block_drafts(model, embed, head, vocab, batch, passes)
             got = accepted_lengths(predicted, batch["full_targets"], batch["valid"])
@@ -148,32 +162,28 @@ def lookup_tau(
 
 @torch.no_grad()
 def lookup_fill_tau(
-    model,
-    embed,
-    head,
-    store,
-    anchors,
-    vmap,
-    vocab,
-    block_size,
+    settings: ScoringSettings,
     ngrams=None,
     max_ngram: int = 3,
     prefer_store: float | None = None,
     passes: int = 1,
-    chunk_size: int = 4,
     branch: int = 0,
     refill_below: float = 0.0,
 ) -> tuple[float, np.ndarray, float]:
-    """The estimate for the default's chain: lookup (`lookup_tau`'s, min_ngram 1) gives the block's first positions,
-    the block model, reading them as known, fills the rest with `passes` passes. With `branch` k > 0, the block
-    model's own first k tokens (from the anchor alone) are verified beside that chain, as a second path of a tree
-    (`drafters.ChainDrafter`'s branch): an anchor accepts the longer of the two, every node verified. With
-    `refill_below` > 0 the lookup's draft ends before its first token of lower confidence (a store token's share),
-    and the block model fills from there (`drafters.ChainDrafter`'s refill_below). Returns tau, acceptance by
-    position, and the share of anchors where the block model drafted anything (the lookup left room)."""
+    """The estimate for the default's chain, for a block drafter: lookup (`lookup_tau`'s, min_ngram 1, continued by
+    the n-gram store `ngrams` if given) gives the block's first positions, the block model, reading them as known,
+    fills the rest with `passes` passes. With `branch` k > 0, the block model's own first k tokens (from the anchor
+    alone) are verified beside that chain, as a second path of a tree (`drafters.ChainDrafter`'s branch): an anchor
+    accepts the longer of the two, every node verified. With `refill_below` > 0 the lookup's draft ends before its
+    first token of lower confidence (a store token's share), and the block model fills from there
+    (`drafters.ChainDrafter`'s refill_below). Returns tau, acceptance by position, and the share of anchors where the
+    block model drafted anything (the lookup left room)."""
+    model, embed, head, store, anchors = settings.model, settings.embed, settings.head, settings.store, settings.anchors
+    vmap, block_size, device, chunk_size = settings.vmap, settings.block_size, settings.device, settings.chunk_size
+    vocab = settings.vocab.to(device)
     model.eval()
     lengths, filled = [], 0
-    for chunk, batch in anchor_block_batches(store, anchors, block_size, vmap, "cpu", chunk_size):
+    for chunk, batch in anchor_block_batches(store, anchors, block_size, vmap, device, chunk_size):
         tokens, known = batch["tokens"].clone(), batch["known"].clone()
         for r, (i, chosen) in enumerate(chunk):
             ids = torch.from_numpy(store.sequence(i)["ids"].astype(np.int64))
@@ -190,6 +200,6 @@ def lookup_fill_tau(
             got = torch.maximum(got, accepted_lengths(own, batch["full_targets"], batch["valid"]).clamp(max=branch))
         lengths += [got[r, : len(a)] for r, (_, a) in enumerate(chunk)]
     model.train()
-    lengths = torch.cat(lengths).numpy()
+    lengths = torch.cat(lengths).cpu().numpy()
     by_position = np.array([(lengths >= i).mean() for i in range(1, block_size)])
     return 1 + float(lengths.mean()), by_position, filled / max(1, len(lengths))

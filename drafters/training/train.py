@@ -66,7 +66,7 @@ from drafters.training.distill import (
     synthetic_turns_name,
     synthetic_user_turns,
 )
-from drafters.training.estimate import estimate_tau, held_out_anchors, lookup_tau
+from drafters.training.estimate import ScoringSettings, estimate_tau, held_out_anchors, lookup_tau
 from drafters.training.losses import distill_loss, keep_loss, position_weights
 from drafters.training.models import (
     StepLogits,
@@ -435,6 +435,19 @@ def train(args, verifier, store: FeatureStore, out: Path, run_dir: Path, acceler
         f"held-out: {sum(len(a) for _, a in anchors)} anchors; prompt lookup tau there "
         f"{lookup_tau(store, anchors, block_size):.2f}"
     )
+    scoring = ScoringSettings(
+        model,
+        embed,
+        head,
+        vocab,
+        vmap,
+        block_size,
+        store,
+        anchors,
+        arch="ar" if args.arch == "ar" else "block",  # a DFlash drafter drafts a block as the block drafter does
+        device=device,
+        chunk_size=max(4, args.seqs_per_step),
+    )
     # DDP (more than one process) wraps the whole step's forward; `model` stays the drafter itself, for the estimate,
     # the checkpoints and the export.
     step_logits, optimizer = accelerator.prepare(StepLogits(args.arch, model, embed, head), optimizer)
@@ -510,19 +523,7 @@ def train(args, verifier, store: FeatureStore, out: Path, run_dir: Path, acceler
         if not main_process:
             continue
         if evaluated:
-            tau, by_pos = estimate_tau(
-                "ar" if args.arch == "ar" else "block",  # a DFlash drafter drafts a block as the block drafter does
-                model,
-                embed,
-                head,
-                store,
-                anchors,
-                vmap,
-                vocab,
-                block_size,
-                device,
-                chunk_size=max(4, args.seqs_per_step),
-            )
+            tau, by_pos = estimate_tau(scoring)
             record = {"tau": round(tau, 3), "accept_by_position": [round(float(x), 3) for x in by_pos]}
             export(args.arch, model, out)
             tqdm.write(
