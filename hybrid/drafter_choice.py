@@ -16,7 +16,8 @@ from drafters import BlockDiffusionDrafter, ChainDrafter, DFlashDrafter, Drafter
 from drafters.block_diffusion import CONFIG_NAME as BLOCK_CONFIG
 from drafters.block_diffusion import verifier_fingerprint
 from drafters.dflash import CONFIG_NAME as DFLASH_CONFIG
-from drafters.dflash import dflash_value, read_config
+from drafters.dflash import read_config
+from drafters.dflash_model import dflash_value
 from drafters.ngram_store import CONFIG_NAME as NGRAM_CONFIG
 from drafters.online_store import OnlineStore
 from hybrid.default import (
