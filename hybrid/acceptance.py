@@ -33,6 +33,14 @@ ACCEPTANCE_RULES = ("match", "rejection")
 Rule = Callable[[torch.Tensor, list[int], list[torch.Tensor | None]], tuple[int, int | None]]
 
 
+def own_choice(do_sample: bool, generator: torch.Generator | None) -> Callable[[torch.Tensor], int]:
+    """The verifier's own token from its processed scores [vocab], as `generate` picks it: the argmax, or one draw
+    from their softmax with `generator` (None: torch's global RNG)."""
+    if do_sample:
+        return lambda scores: sample(torch.softmax(scores, dim=-1), generator)
+    return lambda scores: int(scores.argmax())
+
+
 def match_rule(choose: Callable[[torch.Tensor], int]) -> Rule:
     """Emit the verifier's own choice (`choose`, as `generate` makes it) and accept the child that drafted it."""
 

@@ -22,7 +22,7 @@ import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 
 from drafters.base import Draft, DraftContext, Drafter, DraftError, NoDrafter, check_draft
-from hybrid.acceptance import Rule, match_rule, rejection_rule, sample, walk
+from hybrid.acceptance import Rule, match_rule, own_choice, rejection_rule, walk
 from hybrid.stats import GenerationStats, Stopwatch
 from schedulers.base import Scheduler
 from verifiers.logits import process_logits
@@ -145,11 +145,7 @@ def decode(
     if streamer is not None:
         streamer.put(rows[0].ids.cpu())  # as `generate` does; TextStreamer(skip_prompt=True) drops it
     rejection = do_sample and settings.acceptance == "rejection"  # drafts sampled, with their probs, for min(1, p/q)
-
-    def choose(scores: torch.Tensor) -> int:
-        """The verifier's own token from its processed scores, as `generate` picks it."""
-        return sample(torch.softmax(scores, dim=-1), generator) if do_sample else int(scores.argmax())
-
+    choose = own_choice(do_sample, generator)
     rule = rejection_rule(generator) if rejection else match_rule(choose)
 
     # Prefill: the first new token of every row is the verifier's, exactly as in `generate`.
