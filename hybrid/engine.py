@@ -22,11 +22,31 @@ import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 
 from drafters.base import Draft, DraftContext, Drafter, DraftError, NoDrafter, check_draft
-from hybrid.acceptance import sample, speculative_step
+from hybrid.acceptance import Rule, match_rule, own_choice, rejection_rule, walk
 from hybrid.stats import GenerationStats, Stopwatch
 from schedulers.base import Scheduler
 from verifiers.logits import process_logits
 from verifiers.verifier import Verifier
+
+
+@dataclass(frozen=True)
+class DecodeSettings:
+    """How one call decodes, as `hybrid.generate` derives it from `generate`'s arguments."""
+
+    stopping_criteria: StoppingCriteriaList
+    max_length: int | float
+    do_sample: bool
+    generator: torch.Generator | None = None  # the verifier's draws when sampling (None: torch's global RNG)
+    # "match" keeps a drafted token iff it equals the verifier's own choice, made exactly as `generate` makes it
+    # (argmax, or one multinomial draw from the caller's RNG); "rejection" is speculative sampling's min(1, p/q)
+    # rule, which trusts `Draft.probs` to be what each token was drawn from (`hybrid.acceptance`).
+    acceptance: str = "match"
+    streamer: object | None = None
+    keep_scores: bool = False  # `output_scores` under `return_dict_in_generate`
+    keep_logits: bool = False  # `output_logits` under `return_dict_in_generate`
+    # A row finishes when its stopping criteria fire (`generate` pads it: it has an EOS criterion); False: every row
+    # decodes on to the length at which the last row's criteria fired.
+    pad_stopped: bool = True
 
 
 @dataclass
@@ -40,7 +60,7 @@ class DecodeResult:
 class _Row:
     """One sequence: its growing ids and everything `generate` records for each emitted token."""
 
-    def __init__(self, input_ids, mask, processors, stopping_criteria, streamer, keep_scores, keep_logits, end, alone):
+    def __init__(self, input_ids, mask, processors, settings: DecodeSettings, end: int, alone: bool):
         self.ids = input_ids  # [1, n], padding included, as `generate` returns it
         self.prompt_len = input_ids.shape[1]
         self.mask = mask  # [n] the prompt's attention mask (None: every token counts)
@@ -48,10 +68,10 @@ class _Row:
         # cumsum, as their slots are; its sliding windows also count the masked ones, see `SharedCache.mark_masked`)
         self.prompt_tokens = input_ids[0] if mask is None else input_ids[0][mask.bool()]
         self.processors = processors
-        self.stopping_criteria = stopping_criteria
-        self.streamer = streamer
-        self.scores = () if keep_scores else None
-        self.logits = () if keep_logits else None
+        self.stopping_criteria = settings.stopping_criteria
+        self.streamer = settings.streamer
+        self.scores = () if settings.keep_scores else None
+        self.logits = () if settings.keep_logits else None
         self.end = end  # the length at which the row finishes: max_length, or where the batch stops (`decode`)
         self.stopped_at: int | None = None  # the length at which its stopping criteria first fired
         self.stops_alone = alone  # it finishes when its criteria fire (else at the batch's end, `decode`)
@@ -113,40 +133,20 @@ def decode(
     drafter: Drafter | None,
     scheduler: Scheduler,
     prompts: list[tuple[torch.Tensor, torch.Tensor | None, LogitsProcessorList]],
-    stopping_criteria: StoppingCriteriaList,
-    max_length: int | float,
-    do_sample: bool,
-    generator: torch.Generator | None = None,
-    acceptance: str = "match",
-    streamer=None,
-    keep_scores: bool = False,
-    keep_logits: bool = False,
-    pad_stopped: bool = True,
+    settings: DecodeSettings,
 ) -> DecodeResult:
-    """Decode every prompt (input_ids [1, n], its attention mask [n] or None, its processors) to the end.
-
-    pad_stopped: a row finishes when its stopping criteria fire (`generate` pads it: it has an EOS criterion);
-    False: every row decodes on to the length at which the last row's criteria fired.
-
-    acceptance: "match" keeps a drafted token iff it equals the verifier's own choice, made exactly as `generate`
-    makes it (argmax, or one multinomial draw from the caller's RNG); "rejection" is speculative sampling's
-    min(1, p/q) rule, which trusts `Draft.probs` to be what each token was drawn from.
-    """
+    """Decode every prompt (input_ids [1, n], its attention mask [n] or None, its processors) to the end."""
     clock = Stopwatch()
     drafter = drafter or NoDrafter()
-    max_length = math.ceil(max_length)  # `generate` stops at the first length >= max_length, a float included
-    alone = pad_stopped or len(prompts) == 1
-    rows = [
-        _Row(ids, mask, procs, stopping_criteria, streamer, keep_scores, keep_logits, max_length, alone)
-        for ids, mask, procs in prompts
-    ]
+    do_sample, generator, streamer = settings.do_sample, settings.generator, settings.streamer
+    max_length = math.ceil(settings.max_length)  # `generate` stops at the first length >= max_length, a float too
+    alone = settings.pad_stopped or len(prompts) == 1
+    rows = [_Row(ids, mask, procs, settings, max_length, alone) for ids, mask, procs in prompts]
     if streamer is not None:
         streamer.put(rows[0].ids.cpu())  # as `generate` does; TextStreamer(skip_prompt=True) drops it
-    rejection = do_sample and acceptance == "rejection"  # drafts sampled, with their probs, for min(1, p/q)
-
-    def choose(scores: torch.Tensor) -> int:
-        """The verifier's own token from its processed scores, as `generate` picks it."""
-        return sample(torch.softmax(scores, dim=-1), generator) if do_sample else int(scores.argmax())
+    rejection = do_sample and settings.acceptance == "rejection"  # drafts sampled, with their probs, for min(1, p/q)
+    choose = own_choice(do_sample, generator)
+    rule = rejection_rule(generator) if rejection else match_rule(choose)
 
     # Prefill: the first new token of every row is the verifier's, exactly as in `generate`.
     logits = verifier.prefill_rows(
@@ -215,7 +215,7 @@ def decode(
             if not verifier.takes_trees:  # its attention takes no tree mask: the best chain, same output
                 row.draft = row.draft.best_chain()
         schedule_time += clock.lap()
-        _verify(verifier, active, rejection, choose, generator)
+        _verify(verifier, active, rule)
         verify_time = clock.lap()
         scheduler.update_batch(
             [row.draft for row in active],
@@ -294,8 +294,9 @@ def _draft(drafter, active, budget, steps, stages, verifier, do_sample, draft_rn
         row.draft_time = share
 
 
-def _verify(verifier: Verifier, active: list[_Row], rejection: bool, choose, generator) -> None:
-    """Score [pending, the draft's nodes] of every row in one forward, accept, and keep the accepted path's cache.
+def _verify(verifier: Verifier, active: list[_Row], rule: Rule) -> None:
+    """Score [pending, the draft's nodes] of every row in one forward, accept, and rewind the cache to the accepted
+    paths.
 
     Short rows are padded with their pending token, whose scores are never read (and whose slots are dropped)."""
     width = 1 + max(len(row.draft) for row in active)
@@ -316,13 +317,11 @@ def _verify(verifier: Verifier, active: list[_Row], rejection: bool, choose, gen
     # [rows, width, vocab]: the verifier's view after each fed token and what it continues
     logits = verifier.verify_rows(fed, real=[1 + len(row.draft) for row in active], parents=parents)
     pending = _pending_scores(active, logits)
-    # The cache keeps every committed token but the newest: the pending token and the accepted path.
-    verifier.keep_rows(
-        [
-            _accept(row, row_logits, row_pending, rejection, choose, generator)
-            for row, row_logits, row_pending in zip(active, logits, pending)
-        ]
-    )
+    kept = [
+        _accept(row, row_logits, row_pending, rule) for row, row_logits, row_pending in zip(active, logits, pending)
+    ]
+    # Rewind: the cache keeps every committed token but the newest, i.e. the pending token and the accepted path.
+    verifier.keep_rows(kept)
 
 
 def _pending_scores(active: list[_Row], logits: torch.Tensor) -> list[torch.Tensor]:
@@ -345,43 +344,24 @@ def _pending_scores(active: list[_Row], logits: torch.Tensor) -> list[torch.Tens
     return scores
 
 
-def _accept(row: _Row, logits: torch.Tensor, pending: torch.Tensor, rejection: bool, choose, generator) -> list[int]:
-    """Walk the row's draft from the pending token (whose processed scores are `pending`): at each position the
-    acceptance rule gives the token to emit, and the walk goes on into the child that proposed it. Returns the fed
-    offsets the cache keeps.
+def _accept(row: _Row, logits: torch.Tensor, pending: torch.Tensor, rule: Rule) -> list[int]:
+    """Walk the row's draft by `rule` from the pending token (whose processed scores are `pending`), emitting each
+    token the rule gives. Returns the fed offsets the cache keeps.
 
     Every emitted token but a rejection-sampling correction is the verifier's own `choose`, in sequence order."""
-    draft = row.draft
-    children: dict[int, list[int]] = {}  # fed offset -> its children's node indices, in draft order
-    for node, parent in enumerate(draft.parent_list()):
-        children.setdefault(parent + 1, []).append(node)
-    tokens = draft.tokens.tolist()
-    at, path, accepted = 0, [0], []  # the fed offset walked to, the offsets walked, the nodes accepted
-    while True:
-        scores = pending if at == 0 else process_logits(row.processors, row.ids, logits[at])
-        kids = children.get(at, [])
-        if not kids:  # the end of a branch: the bonus token comes from the verifier alone
-            token, node = choose(scores), None
-        elif rejection:  # a chain: one child
-            q = None if draft.probs is None else draft.probs[kids[0]]
-            ok, token = speculative_step(torch.softmax(scores, -1), q, tokens[kids[0]], generator)
-            node = kids[0] if ok else None
-        else:
-            token = choose(scores)
-            node = next((kid for kid in kids if tokens[kid] == token), None)
+
+    def scores_at(at: int) -> torch.Tensor:  # after the tokens emitted so far: processors read the sequence
+        return pending if at == 0 else process_logits(row.processors, row.ids, logits[at])
+
+    def emit(at: int, token: int, scores: torch.Tensor) -> bool:
         row.emit(token, scores, logits[at])
-        if node is None or row.finished:
-            break
-        accepted.append(node)
-        at = node + 1
-        path.append(at)
-    if node is not None:  # stopped on an accepted token
-        accepted.append(node)
-    emitted = len(accepted) + (node is None)
-    row.accepted = accepted
-    row.stream(emitted)
-    row.stats.record(drafted=len(draft), accepted=len(accepted), emitted=emitted)
-    return path[:emitted]
+        return not row.finished
+
+    path = walk(row.draft, rule, scores_at, emit)
+    row.accepted = path.nodes
+    row.stream(path.emitted)
+    row.stats.record(drafted=len(row.draft), accepted=len(path.nodes), emitted=path.emitted)
+    return path.kept
 
 
 def _drop_finished(verifier: Verifier, active: list[_Row], rows: list[_Row]) -> list[_Row]:
