@@ -122,6 +122,7 @@ def decode(
     keep_scores: bool = False,
     keep_logits: bool = False,
     pad_stopped: bool = True,
+    decoding: dict | None = None,
 ) -> DecodeResult:
     """Decode every prompt (input_ids [1, n], its attention mask [n] or None, its processors) to the end.
 
@@ -131,6 +132,8 @@ def decode(
     acceptance: "match" keeps a drafted token iff it equals the verifier's own choice, made exactly as `generate`
     makes it (argmax, or one multinomial draw from the caller's RNG); "rejection" is speculative sampling's
     min(1, p/q) rule, which trusts `Draft.probs` to be what each token was drawn from.
+
+    decoding: how the verifier's tokens are chosen, as the scheduler is told it (`Scheduler.start`).
     """
     clock = Stopwatch()
     drafter = drafter or NoDrafter()
@@ -160,8 +163,7 @@ def decode(
         row.stream(1)
         row.stats.record(drafted=0, accepted=0, emitted=1)
     prefill_time = clock.lap()
-    scheduler.reset(drafter, verifier.model)
-    scheduler.set_verify_width(verifier.width_rule())
+    scheduler.start(drafter, model=verifier.model, decoding=decoding, verify_width=verifier.width_rule())
     # Under rejection sampling the drafts are sampled, from generators of the drafters' own seeded from the caller's
     # RNG: their draws are independent of the verifier's, and nothing a drafter does to them reaches the verifier.
     draft_rng = _generator_seeded_from(generator, verifier.model.device) if rejection else None
@@ -187,19 +189,9 @@ def decode(
     steps_start = clock.total()
     while active:
         clock.lap()
-        scheduler.set_rows([(row.end - row.ids.shape[1]) / row.stats.tau for row in active])
-        budget = min(scheduler.max_draft_length(), drafter.node_budget)
-        steps = scheduler.denoising_steps()
-        if not 1 <= steps <= drafter.max_steps:
-            raise ValueError(
-                f"{type(scheduler).__name__}.denoising_steps returned {steps}; expected 1..{drafter.max_steps}"
-            )
-        stages = scheduler.drafting_stages(len(active))
-        if not 0 <= stages <= len(drafter.stages):
-            raise ValueError(
-                f"{type(scheduler).__name__}.drafting_stages returned {stages}; expected 0..{len(drafter.stages)} "
-                f"(how many of {type(drafter).__name__}'s stages to run)"
-            )
+        plan = scheduler.plan([(row.end - row.ids.shape[1]) / row.stats.tau for row in active])
+        budget = min(plan.max_nodes, drafter.node_budget)
+        steps, stages = plan.denoising_steps, plan.drafting_stages
         schedule_time = clock.lap()
         passes = steps if any(i < stages for i in pass_stages) else 0  # 0: no stage that takes passes ran
         for row in active:  # where the model's `generate` drops its cache and re-reads the sequence, so does this
@@ -207,17 +199,15 @@ def decode(
                 verifier.reread(row.unmasked_ids())
         _draft(drafter, active, budget, steps, stages, verifier, do_sample, draft_rng)
         draft_time = clock.lap()
-        ks = scheduler.select_batch([row.draft for row in active])
+        ks = scheduler.choose([row.draft for row in active])
         for row, k in zip(active, ks):
-            if not 0 <= k <= len(row.draft):
-                raise ValueError(f"{type(scheduler).__name__}.select returned {k}; expected 0..{len(row.draft)}")
             row.draft = row.draft.truncate(k)
             if not verifier.takes_trees:  # its attention takes no tree mask: the best chain, same output
                 row.draft = row.draft.best_chain()
         schedule_time += clock.lap()
         _verify(verifier, active, rejection, choose, generator)
         verify_time = clock.lap()
-        scheduler.update_batch(
+        scheduler.observe(
             [row.draft for row in active],
             [row.accepted for row in active],
             [row.draft_time for row in active],

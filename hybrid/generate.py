@@ -27,8 +27,8 @@ from drafters.base import Drafter
 from hybrid.acceptance import ACCEPTANCE_RULES
 from hybrid.engine import decode
 from hybrid.stats import GenerationStats
-from schedulers.adaptive import default_scheduler
 from schedulers.base import Scheduler
+from schedulers.cost_aware import default_scheduler
 from schedulers.cost_model import cached_kernel_choice
 from verifiers.cache import foreign_cache_reason
 from verifiers.logits import shared_processors
@@ -308,7 +308,6 @@ def generate(
         scheduler = default_scheduler(drafter, model, decoding) if drafter is not None else Scheduler()
     if not isinstance(scheduler, Scheduler):
         raise TypeError(f"scheduler must be a schedulers.Scheduler, got {type(scheduler).__name__}")
-    scheduler.set_decoding(decoding)
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
 
@@ -348,6 +347,7 @@ def generate(
         streamer=call["streamer"],
         keep_scores=bool(config.return_dict_in_generate and config.output_scores),
         keep_logits=bool(config.return_dict_in_generate and config.output_logits),
+        decoding=decoding,
     )
     with torch.inference_mode(), verifier.kernels():
         if verifier.batches or batch == 1:
@@ -385,7 +385,7 @@ def _run_on(verifier, drafter, scheduler, prompt, part, settings):
 
 
 def _decoding(config: GenerationConfig, acceptance: str) -> dict:
-    """How this call's tokens are chosen, as a scheduler is told it (`Scheduler.set_decoding`): {} greedily, else the
+    """How this call's tokens are chosen, as a scheduler is told it (`Scheduler.start`): {} greedily, else the
     settings of `config` that shape the sampled distribution, and the acceptance rule where it is not "match"."""
     if not config.do_sample:
         return {}
