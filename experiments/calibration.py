@@ -29,14 +29,14 @@ class RecordingScheduler(CostAwareScheduler):
         super().__init__(prior=False)  # measures calibration learned online, from nothing
         self.log: list[tuple[int, float, bool]] = []
 
-    def update_batch(self, drafts, accepted, draft_times, verify_time):
+    def observe(self, drafts, accepted, draft_times, verify_time):
         for draft, kept in zip(drafts, accepted):
             predicted = self.acceptance.predict(draft)  # before this step's evidence is folded in
             kept, depths = set(kept), draft.depths()
             for node, parent in enumerate(draft.parent_list()):
                 if parent < 0 or parent in kept:  # a node below a rejected one was never judged
                     self.log.append((depths[node], predicted[node], node in kept))
-        super().update_batch(drafts, accepted, draft_times, verify_time)
+        super().observe(drafts, accepted, draft_times, verify_time)
 
 
 def reliability(log, bins: int = 10) -> list[dict]:
@@ -98,7 +98,7 @@ def main(argv=None):
     bins = reliability(scheduler.log)
     gap = sum(abs(r["predicted"] - r["observed"]) * r["n"] for r in bins) / max(len(scheduler.log), 1)
     print(f"expected calibration error (10 bins): {gap:.3f}")
-    # The recording itself runs inside update(), so this slightly overstates the scheduler's own cost.
+    # The recording itself runs inside observe(), so this slightly overstates the scheduler's own cost.
     print(
         f"scheduler overhead: {100 * schedule_time / total_time:.2f}% of decoding time, "
         f"{1000 * schedule_time / steps:.2f} ms per step"

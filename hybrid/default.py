@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from schedulers.adaptive import default_scheduler
+from schedulers.cost_aware import default_scheduler
 from schedulers.cost_model import prepare_kernels
 from verifiers.embedded import load_verifier
 from verifiers.verifier import settle_probes
@@ -64,7 +64,7 @@ def load_default(device: str | torch.device = "cpu", dtype: torch.dtype = torch.
     """
     model, tokenizer = load_verifier(device, dtype, device_map)
     drafter = default_drafter(model, tokenizer)
-    default_scheduler(drafter, model).reset(drafter, model)
+    default_scheduler(drafter, model).start(drafter, model=model)
     prepare_kernels(model)
     settle_probes(model)
     return model, tokenizer, drafter

@@ -24,7 +24,7 @@ from transformers import LogitsProcessorList, StoppingCriteriaList
 from drafters.base import Draft, DraftContext, Drafter, DraftError, NoDrafter, check_draft
 from hybrid.acceptance import Rule, match_rule, own_choice, rejection_rule, walk
 from hybrid.stats import GenerationStats, Stopwatch
-from schedulers.base import Scheduler
+from schedulers.base import Scheduler, StepPlan
 from verifiers.logits import process_logits
 from verifiers.verifier import Verifier
 
@@ -47,6 +47,9 @@ class DecodeSettings:
     # A row finishes when its stopping criteria fire (`generate` pads it: it has an EOS criterion); False: every row
     # decodes on to the length at which the last row's criteria fired.
     pad_stopped: bool = True
+    decoding: dict | None = (
+        None  # how the verifier's tokens are chosen, as the scheduler is told it (`Scheduler.start`)
+    )
 
 
 @dataclass
@@ -160,8 +163,7 @@ def decode(
         row.stream(1)
         row.stats.record(drafted=0, accepted=0, emitted=1)
     prefill_time = clock.lap()
-    scheduler.reset(drafter, verifier.model)
-    scheduler.set_verify_width(verifier.width_rule())
+    scheduler.start(drafter, model=verifier.model, decoding=settings.decoding, verify_width=verifier.width_rule())
     # Under rejection sampling the drafts are sampled, from generators of the drafters' own seeded from the caller's
     # RNG: their draws are independent of the verifier's, and nothing a drafter does to them reaches the verifier.
     draft_rng = _generator_seeded_from(generator, verifier.model.device) if rejection else None
@@ -187,37 +189,24 @@ def decode(
     steps_start = clock.total()
     while active:
         clock.lap()
-        scheduler.set_rows([(row.end - row.ids.shape[1]) / row.stats.tau for row in active])
-        budget = min(scheduler.max_draft_length(), drafter.node_budget)
-        steps = scheduler.denoising_steps()
-        if not 1 <= steps <= drafter.max_steps:
-            raise ValueError(
-                f"{type(scheduler).__name__}.denoising_steps returned {steps}; expected 1..{drafter.max_steps}"
-            )
-        stages = scheduler.drafting_stages(len(active))
-        if not 0 <= stages <= len(drafter.stages):
-            raise ValueError(
-                f"{type(scheduler).__name__}.drafting_stages returned {stages}; expected 0..{len(drafter.stages)} "
-                f"(how many of {type(drafter).__name__}'s stages to run)"
-            )
+        plan = scheduler.plan([(row.end - row.ids.shape[1]) / row.stats.tau for row in active])
         schedule_time = clock.lap()
-        passes = steps if any(i < stages for i in pass_stages) else 0  # 0: no stage that takes passes ran
+        ran_passes = any(i < plan.drafting_stages for i in pass_stages)
+        passes = plan.denoising_steps if ran_passes else 0  # 0: no stage that takes passes ran
         for row in active:  # where the model's `generate` drops its cache and re-reads the sequence, so does this
             if verifier.rereads_at(row.index):
                 verifier.reread(row.unmasked_ids())
-        _draft(drafter, active, budget, steps, stages, verifier, do_sample, draft_rng)
+        _draft(drafter, verifier, active, plan, do_sample, draft_rng)
         draft_time = clock.lap()
-        ks = scheduler.select_batch([row.draft for row in active])
+        ks = scheduler.choose([row.draft for row in active])
         for row, k in zip(active, ks):
-            if not 0 <= k <= len(row.draft):
-                raise ValueError(f"{type(scheduler).__name__}.select returned {k}; expected 0..{len(row.draft)}")
             row.draft = row.draft.truncate(k)
             if not verifier.takes_trees:  # its attention takes no tree mask: the best chain, same output
                 row.draft = row.draft.best_chain()
         schedule_time += clock.lap()
         _verify(verifier, active, rule)
         verify_time = clock.lap()
-        scheduler.update_batch(
+        scheduler.observe(
             [row.draft for row in active],
             [row.accepted for row in active],
             [row.draft_time for row in active],
@@ -246,14 +235,18 @@ def decode(
     return DecodeResult([row.ids for row in rows], rows[0].scores, rows[0].logits, stats)
 
 
-def _draft(drafter, active, budget, steps, stages, verifier, do_sample, draft_rng) -> None:
-    """Each row's draft for this step by the drafter's first `stages` stages, of at most `budget` nodes and never past
+def _draft(
+    drafter: Drafter, verifier: Verifier, active: list[_Row], plan: StepPlan, do_sample: bool, draft_rng
+) -> None:
+    """Each row's draft for this step by the drafter's first `plan.drafting_stages` stages, in
+    `plan.denoising_steps` passes, of at most `plan.max_nodes` nodes (and the drafter's budget) and never past
     the row's end (the bonus token needs a slot): all rows asked at once, so a drafter may serve them in one forward.
     No stage: no drafting, the step verifies the pending token alone.
 
     When sampling, torch's global RNG is forked around the drafter, so nothing it draws or seeds reaches the
     caller's stream. draft_rng (rejection sampling only, else None) reseeds it inside the fork, so that a drafter's
     draws from it are not replays of the verifier's next ones."""
+    budget, steps, stages = min(plan.max_nodes, drafter.node_budget), plan.denoising_steps, plan.drafting_stages
     asks = {}  # row -> how many nodes it may draft
     for row in active:
         room = row.end - row.ids.shape[1] - 1  # a draft of at most `room` nodes is at most `room` deep

@@ -30,8 +30,8 @@ from hybrid.arguments import (
 )
 from hybrid.engine import DecodeSettings, decode
 from hybrid.stats import GenerationStats
-from schedulers.adaptive import default_scheduler
 from schedulers.base import Scheduler
+from schedulers.cost_aware import default_scheduler
 from schedulers.cost_model import cached_kernel_choice
 from verifiers.logits import shared_processors
 from verifiers.verifier import Verifier, adapted_model, check_causal_lm
@@ -112,7 +112,6 @@ def generate(
         scheduler = default_scheduler(drafter, model, decoding) if drafter is not None else Scheduler()
     if not isinstance(scheduler, Scheduler):
         raise TypeError(f"scheduler must be a schedulers.Scheduler, got {type(scheduler).__name__}")
-    scheduler.set_decoding(decoding)
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
 
@@ -131,6 +130,7 @@ def generate(
         streamer=call["streamer"],
         keep_scores=bool(config.return_dict_in_generate and config.output_scores),
         keep_logits=bool(config.return_dict_in_generate and config.output_logits),
+        decoding=decoding,
         # `generate` pads a stopped row only where it has an EOS criterion; without one, a stopped row goes on
         # appending its own tokens until every row has stopped.
         pad_stopped=any(hasattr(criteria, "eos_token_id") for criteria in stopping),
@@ -263,7 +263,7 @@ def _run_on(verifier, drafter, scheduler, prompt, part, settings):
 
 
 def _decoding(config: GenerationConfig, acceptance: str) -> dict:
-    """How this call's tokens are chosen, as a scheduler is told it (`Scheduler.set_decoding`): {} greedily, else the
+    """How this call's tokens are chosen, as a scheduler is told it (`Scheduler.start`): {} greedily, else the
     settings of `config` that shape the sampled distribution, and the acceptance rule where it is not "match"."""
     if not config.do_sample:
         return {}

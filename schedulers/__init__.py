@@ -1,9 +1,12 @@
 """Draft-length policies: how many drafted tokens are worth a verifier's time."""
 
-from schedulers.adaptive import ConfidenceScheduler, CostAwareScheduler
-from schedulers.base import FixedScheduler, HeuristicScheduler, Scheduler
+from schedulers.base import Scheduler, StepPlan
 from schedulers.calibration import AcceptanceModel
+from schedulers.confidence import ConfidenceScheduler
+from schedulers.cost_aware import CostAwareScheduler
 from schedulers.cost_model import VerifyCostModel
+from schedulers.fixed import FixedScheduler
+from schedulers.heuristic import HeuristicScheduler
 
 __all__ = [
     "AcceptanceModel",
@@ -12,5 +15,6 @@ __all__ = [
     "FixedScheduler",
     "HeuristicScheduler",
     "Scheduler",
+    "StepPlan",
     "VerifyCostModel",
 ]

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import re
 
-from schedulers.adaptive import ConfidenceScheduler, CostAwareScheduler
-from schedulers.base import FixedScheduler, HeuristicScheduler, Scheduler
+from schedulers.base import Scheduler
+from schedulers.confidence import ConfidenceScheduler
+from schedulers.cost_aware import CostAwareScheduler
+from schedulers.fixed import FixedScheduler
+from schedulers.heuristic import HeuristicScheduler
 
 NAMES_HELP = "heuristic, fixed (k = block size), fixed-K, confidence, confidence-T (threshold T), cost-aware"
 

@@ -7,6 +7,7 @@ a failing call still give `model.generate`'s greedy output in the next, valid ca
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import numpy as np
@@ -677,8 +678,8 @@ def test_verifier_is_encoder_decoder(prompt, drafter):
 
 
 class NotAScheduler:
-    def max_draft_length(self):
-        return 2
+    def select(self, drafts):
+        return [2 for _ in drafts]
 
 
 def test_scheduler_not_a_scheduler(model, prompt, drafter):
@@ -698,11 +699,11 @@ def test_fixed_scheduler_above_drafter_max_draft_len(model, prompt):
 
 def test_scheduler_select_out_of_range(model, prompt, drafter):
     class Greedy(Scheduler):
-        def max_draft_length(self):
-            return 2
+        def plan_step(self, steps_left):
+            return dataclasses.replace(super().plan_step(steps_left), max_nodes=2)
 
-        def select(self, draft):
-            return len(draft) + 1
+        def select(self, drafts):
+            return [len(draft) + 1 for draft in drafts]
 
     with pytest.raises(ValueError, match=r"Greedy\.select returned \d+; expected 0\.\.\d+"):
         gen(model, prompt, drafter, scheduler=Greedy())
@@ -777,7 +778,7 @@ def test_no_partial_state_after_draft_error_mid_generation(env, model, prompt, f
 
 def test_no_partial_state_after_scheduler_error_mid_generation(env, model, prompt, drafter):
     with pytest.raises(ValueError, match=r"k=8 must be an int in 1\.\.4"):
-        gen(model, prompt, drafter, scheduler=FixedScheduler(8))  # fails after the prefill, in reset
+        gen(model, prompt, drafter, scheduler=FixedScheduler(8))  # fails after the prefill, in start
     assert_still_works(env, drafter)
     out = gen(model, prompt, drafter, scheduler=FixedScheduler(4))
     assert torch.equal(out, env["reference"])

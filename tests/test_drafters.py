@@ -105,16 +105,18 @@ def test_oracle_drafter_reaches_the_ceiling():
 
 def test_heuristic_scheduler_grows_on_success_and_shrinks_on_failure():
     s = HeuristicScheduler(4)
-    s.reset(PromptLookupDrafter(max_draft_len=8))
+    s.start(PromptLookupDrafter(max_draft_len=8))
     draft = lambda k: Draft(torch.zeros(k, dtype=torch.long))  # noqa: E731
-    s.update(draft(4), list(range(4)), 0.0, 0.1)
-    assert s.max_draft_length() == 6
-    s.update(draft(6), list(range(6)), 0.0, 0.1)
-    assert s.max_draft_length() == 8  # capped by the drafter
-    s.update(draft(8), list(range(3)), 0.0, 0.1)
-    assert s.max_draft_length() == 7
-    s.update(draft(0), list(range(0)), 0.0, 0.1)  # nothing drafted: no evidence
-    assert s.max_draft_length() == 7
+    s.observe([draft(4)], [list(range(4))], [0.0], 0.1)
+    assert s.plan([1.0]).max_nodes == 6
+    s.observe([draft(6)], [list(range(6))], [0.0], 0.1)
+    assert s.plan([1.0]).max_nodes == 8  # capped by the drafter
+    s.observe([draft(8)], [list(range(3))], [0.0], 0.1)
+    assert s.plan([1.0]).max_nodes == 7
+    s.observe([draft(0)], [list(range(0))], [0.0], 0.1)  # nothing drafted: no evidence
+    assert s.plan([1.0]).max_nodes == 7
+    s.observe([draft(8), draft(3)], [list(range(8)), []], [0.0, 0.0], 0.1)  # row by row: +2, then -1
+    assert s.plan([1.0, 1.0]).max_nodes == 7
 
 
 def recorded_drafts_module():

@@ -344,11 +344,11 @@ def test_the_shipped_scheduler_prior_is_keyed_by_the_default_pair():
     names the default drafter and verifier as they fingerprint today (rerun `python -m experiments.scheduler_prior`
     after changing either)."""
     import hybrid
-    from schedulers.adaptive import default_scheduler
+    from schedulers.cost_aware import default_scheduler
 
     model, _, drafter = hybrid.load_default()
     scheduler = default_scheduler(drafter, model)
-    scheduler.reset(drafter, model)
+    scheduler.start(drafter, model=model)
     assert scheduler.prior is not None
 
 

@@ -6,6 +6,7 @@ any verifier and adds a trained folder only when it was trained for that verifie
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -191,8 +192,8 @@ def test_the_store_records_the_steps_the_scheduler_did_not_draft_at():
     drafter's `finish`, and the repeated request is drafted from it."""
 
     class NeverDrafts(Scheduler):
-        def drafting_stages(self, rows):
-            return 0
+        def plan_step(self, steps_left):
+            return dataclasses.replace(super().plan_step(steps_left), drafting_stages=0)
 
     model = tiny_model("llama", VOCAB, 2, seed=3)
     drafter = hybrid.drafter_for(model)

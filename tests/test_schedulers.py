@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -10,6 +11,7 @@ from strategies import tiny_model
 from transformers import LogitsProcessorList
 
 import hybrid
+import schedulers.cost_aware
 import schedulers.cost_model
 import schedulers.prior
 from drafters import ChainDrafter, Draft, DraftContext, Drafter, PromptLookupDrafter
@@ -23,9 +25,10 @@ from schedulers import (
     Scheduler,
     VerifyCostModel,
 )
-from schedulers.adaptive import expected_accepted, pair_fingerprint
+from schedulers.calibrated import expected_accepted, pair_fingerprint
 from schedulers.cost_model import measure_verify_costs
 from schedulers.prior import PRIOR_FILE, PRIOR_OBSERVATIONS, write_prior
+from schedulers.step_costs import StepCosts
 from verifiers.kernels import KERNELS
 from verifiers.verifier import static_width
 
@@ -41,12 +44,12 @@ def test_expected_accepted_is_sum_of_survival_products():
 def test_cost_aware_picks_the_rate_maximising_k():
     """a_i = 0.9 everywhere; verify cost 1 + 0.25 (m - 1): rate (1 + 9(1 - 0.9^k)) / (1 + k/4) peaks at k = 6 (2.087 vs 2.082 at 5, 2.071 at 7)."""
     s = CostAwareScheduler(costs={1: 1.0, 17: 5.0})
-    s.reset(PromptLookupDrafter(max_draft_len=16))
+    s.start(PromptLookupDrafter(max_draft_len=16))
     s.acceptance.tried[:] = 1e6  # make the calibration say exactly 0.9 at every position
     s.acceptance.accepted[:] = 0.9e6
     d = draft(16)
     rates = s.expected_rates(d)
-    assert s.select(d) == max(range(17), key=rates.__getitem__) == 6
+    assert s.choose([d]) == [max(range(17), key=rates.__getitem__)] == [6]
 
 
 def test_cost_aware_batch_picks_one_width_for_all_rows():
@@ -54,15 +57,15 @@ def test_cost_aware_batch_picks_one_width_for_all_rows():
     (1 + E(w)) + (1 + E(min(w, 2))) tokens, E(w) = 0.9 + ... + 0.9^w, in 1 + 0.25 (2(w + 1) - 1) s:
     2.41 tokens/s at w = 2, 2.17 at 1, 2.24 at 3. Alone, the long row would verify 6 (test above)."""
     s = CostAwareScheduler(costs={1: 1.0, 17: 5.0})
-    s.reset(PromptLookupDrafter(max_draft_len=16))
+    s.start(PromptLookupDrafter(max_draft_len=16))
     s.acceptance.tried[:] = 1e6
     s.acceptance.accepted[:] = 0.9e6
     rates = s.expected_batch_rates([draft(16), draft(2)])
     assert rates[:4] == pytest.approx([1.6, 2.171, 2.409, 2.236], abs=1e-3)
-    assert s.select_batch([draft(16), draft(2)]) == [2, 2]
+    assert s.choose([draft(16), draft(2)]) == [2, 2]
     # A row with nothing drafted is still padded to the width: (2 + E(w)) / (1 + 0.25 (2w + 1)) peaks at w = 1.
-    assert s.select_batch([draft(16), draft(0)]) == [1, 0]
-    assert s.select_batch([draft(16)]) == [s.select(draft(16))] == [6]  # batch 1: the batch-1 rule
+    assert s.choose([draft(16), draft(0)]) == [1, 0]
+    assert s.choose([draft(16)]) == [6]  # batch 1: the batch-1 rule
 
 
 def test_cost_aware_charges_the_padded_width_on_the_static_path():
@@ -70,16 +73,20 @@ def test_cost_aware_charges_the_padded_width_on_the_static_path():
     forward of 8 like k = 7, which accepts more, so 7 is chosen (rate (1 + 9(1 - 0.9^7)) / (1 + 7/4) = 2.071);
     the engine's own static path tells the scheduler so."""
     s = CostAwareScheduler(costs={1: 1.0, 17: 5.0})
-    s.reset(PromptLookupDrafter(max_draft_len=16))
-    s.set_verify_width(lambda m, rows=1: static_width(m, 17))
+    s.start(PromptLookupDrafter(max_draft_len=16), verify_width=lambda m, rows=1: static_width(m, 17))
     s.acceptance.tried[:] = 1e6
     s.acceptance.accepted[:] = 0.9e6
     assert s.expected_rates(draft(16))[7] == pytest.approx(2.071, abs=1e-3)
-    assert s.select(draft(16)) == 7
+    assert s.choose([draft(16)]) == [7]
     widths = []
     model = tiny_model("llama", 48, 2, seed=0)
-    scheduler = CostAwareScheduler(costs={1: 1.0, 17: 5.0})
-    scheduler.set_verify_width = widths.append  # what the engine tells it
+
+    class Recording(CostAwareScheduler):
+        def start(self, drafter, **call):
+            super().start(drafter, **call)
+            widths.append(self.verify_width)  # what the engine tells it
+
+    scheduler = Recording(costs={1: 1.0, 17: 5.0})
     hybrid.generate(
         model,
         torch.tensor([[1, 2, 3]]),
@@ -101,15 +108,15 @@ def test_cost_aware_declines_hopeless_drafts_but_keeps_probing_from_its_credit()
     of 0.25 s. The credit grows by EXPLORE_SHARE (2%) of each step's seconds, so the first probe (at the cheapest
     positive k) comes once 13 steps have paid for it, and the run is at most 2% slower than declining throughout."""
     s = CostAwareScheduler(costs={1: 1.0, 17: 5.0})
-    s.reset(PromptLookupDrafter(max_draft_len=16))
+    s.start(PromptLookupDrafter(max_draft_len=16))
     s.acceptance.tried[:] = 1e6  # acceptance 0: verifying anything only costs
     choices, seconds = [], 0.0
     for _ in range(200):
-        k = s.select(draft(8))
+        (k,) = s.choose([draft(8)])
         choices.append(k)
-        verify = s.verify_costs.cost(1 + k)  # as predicted: the costs stay what they are
+        verify = s.costs.verify_costs.cost(1 + k)  # as predicted: the costs stay what they are
         seconds += verify
-        s.update(draft(8).truncate(k), [], 0.0, verify)
+        s.observe([draft(8).truncate(k)], [[]], [0.0], verify)
     assert set(choices) == {0, 1} and choices.index(1) == 13
     assert 14 <= choices.count(1) <= 16 and seconds <= 1.02 * 200
 
@@ -119,21 +126,22 @@ def test_a_batch_values_the_tokens_of_the_rows_that_finish_last():
     (2 + 0.9) / 1.2 beats 2 / 1.0, so row 0 verifies. Row 0 needing a tenth of row 1's steps: its token is worth 0.1,
     (0.1 x 1.9 + 1) / 1.2 loses to 1.1 / 1.0, so neither does (the call ends with row 1 either way)."""
     s = CostAwareScheduler(costs={1: 1.0, 2: 1.0, 4: 1.2, 17: 5.0})
-    s.reset(PromptLookupDrafter(max_draft_len=16))
+    s.start(PromptLookupDrafter(max_draft_len=16))
     s.acceptance.tried[:] = 1e6
     s.acceptance.accepted[:] = 0.9e6
-    s.set_rows([10.0, 10.0])
-    assert s.select_batch([draft(4), draft(0)]) == [1, 0]
-    s.set_rows([1.0, 10.0])
-    assert s.select_batch([draft(4), draft(0)]) == [0, 0]
+    s.worth.set_rows([10.0, 10.0])
+    assert s.choose([draft(4), draft(0)]) == [1, 0]
+    s.worth.set_rows([1.0, 10.0])
+    assert s.choose([draft(4), draft(0)]) == [0, 0]
 
 
 def test_the_engine_tells_the_scheduler_each_rows_expected_steps_left():
     told = []
 
     class Recording(Scheduler):
-        def set_rows(self, steps_left):
+        def plan_step(self, steps_left):
             told.append(steps_left)
+            return super().plan_step(steps_left)
 
     model = tiny_model("llama", 48, 2, seed=0)
     prompt = torch.tensor([[5, 6, 7, 5, 6, 7, 5, 6], [1, 2, 3, 4, 1, 2, 3, 4]])
@@ -149,15 +157,15 @@ def test_the_credit_saved_at_one_batch_size_pays_for_no_probe_at_another():
     """1,000 declined one-second steps at batch 1 save 20 s of credit; at batch 8, where a probe loses far less than
     that, none is taken until batch-8 steps have paid for one."""
     s = CostAwareScheduler(costs={1: 1.0, 17: 5.0})
-    s.reset(PromptLookupDrafter(max_draft_len=16))
+    s.start(PromptLookupDrafter(max_draft_len=16))
     s.acceptance.tried[:] = 1e6  # acceptance 0
     for _ in range(1000):
-        s.update(draft(8).truncate(0), [], 0.0, 1.0)
-    assert s.select_batch([draft(8)] * 8) == [0] * 8
-    assert s.select(draft(8)) == 1  # batch 1's own credit does pay for its probe
+        s.observe([draft(8).truncate(0)], [[]], [0.0], 1.0)
+    assert s.choose([draft(8)] * 8) == [0] * 8
+    assert s.choose([draft(8)]) == [1]  # batch 1's own credit does pay for its probe
     for _ in range(100):  # a batch of r rows earns EXPLORE_SHARE / r of its seconds
-        s.update_batch([draft(8).truncate(0)] * 4, [[]] * 4, [0.0] * 4, 2.0)
-    assert s._credit[4] == pytest.approx(100 * 2.0 * s.EXPLORE_SHARE / 4)
+        s.observe([draft(8).truncate(0)] * 4, [[]] * 4, [0.0] * 4, 2.0)
+    assert s.exploration.credit[4] == pytest.approx(100 * 2.0 * s.exploration.EXPLORE_SHARE / 4)
 
 
 def test_a_probe_is_charged_what_it_lost_not_what_its_estimate_said():
@@ -165,17 +173,17 @@ def test_a_probe_is_charged_what_it_lost_not_what_its_estimate_said():
     1 s). A probe of it that keeps nothing lost 0.25 s, and that is what the credit pays; one that keeps its node
     brought 2 tokens in 1.25 s, and the credit gains the 0.75 s declining would have taken longer for them."""
     s = CostAwareScheduler(costs={1: 1.0, 17: 5.0})
-    s.reset(PromptLookupDrafter(max_draft_len=16))
+    s.start(PromptLookupDrafter(max_draft_len=16))
     s.acceptance.tried[:] = 1e6
     s.acceptance.accepted[:] = 0.2e6
-    s._credit[1] = 1.0
-    assert s.select(draft(8)) == 1
-    s.update(draft(1), [], 0.0, 1.25)
-    assert s._credit[1] == pytest.approx(1.0 + s.EXPLORE_SHARE * 1.25 - 0.25)
-    credit = s._credit[1]
-    assert s.select(draft(8)) == 1
-    s.update(draft(1), [0], 0.0, 1.25)
-    assert s._credit[1] == pytest.approx(credit + s.EXPLORE_SHARE * 1.25 + (2 / 1.0 - 1.25))
+    s.exploration.credit[1] = 1.0
+    assert s.choose([draft(8)]) == [1]
+    s.observe([draft(1)], [[]], [0.0], 1.25)
+    assert s.exploration.credit[1] == pytest.approx(1.0 + s.exploration.EXPLORE_SHARE * 1.25 - 0.25)
+    credit = s.exploration.credit[1]
+    assert s.choose([draft(8)]) == [1]
+    s.observe([draft(1)], [[0]], [0.0], 1.25)
+    assert s.exploration.credit[1] == pytest.approx(credit + s.exploration.EXPLORE_SHARE * 1.25 + (2 / 1.0 - 1.25))
 
 
 def test_a_plain_step_not_timed_lately_is_retried_where_drafts_win_narrowly():
@@ -184,22 +192,23 @@ def test_a_plain_step_not_timed_lately_is_retried_where_drafts_win_narrowly():
     is taken from the credit, and it is found to take 0.6 s: corrected at once (by STALE_RATE, not FACTOR_RATE of the
     miss), it wins outright."""
     s = CostAwareScheduler(costs={1: 1.0, 17: 5.0})
-    s.reset(PromptLookupDrafter(max_draft_len=16))
+    s.start(PromptLookupDrafter(max_draft_len=16))
     s.acceptance.tried[:] = 1e6
     s.acceptance.accepted[:] = 0.5e6
     for _ in range(3):
-        s.update(draft(8).truncate(0), [], 0.0, 1.0)
-    s._credit[1] = 1.0
-    assert s.select(draft(8)) == 1
-    for _ in range(s.verify_costs.STALE_STEPS + 1):
-        s.update(draft(1), [0], 0.0, 1.25)
-    assert s.verify_costs.stale(1, drafted=False) and not s.verify_costs.stale(1, drafted=True)
-    credit, best = s._credit[1], max(s.expected_rates(draft(8)))  # 1.5 / 1.25 as the call's correction scales it
-    assert s.select(draft(8)) == 0 and s._credit[1] == pytest.approx(credit - (1.0 - 1 / best))
-    s.update(draft(8).truncate(0), [], 0.0, 0.6)
-    assert s.verify_costs.step_cost(1, 1) == pytest.approx(0.6**s.verify_costs.STALE_RATE)
-    s._credit[1] = 0.0  # nothing left to probe drafts with: the estimates' own choice
-    assert s.expected_rates(draft(8))[0] > max(s.expected_rates(draft(8))[1:]) and s.select(draft(8)) == 0
+        s.observe([draft(8).truncate(0)], [[]], [0.0], 1.0)
+    s.exploration.credit[1] = 1.0
+    assert s.choose([draft(8)]) == [1]
+    for _ in range(s.costs.verify_costs.STALE_STEPS + 1):
+        s.observe([draft(1)], [[0]], [0.0], 1.25)
+    assert s.costs.verify_costs.stale(1, drafted=False) and not s.costs.verify_costs.stale(1, drafted=True)
+    credit = s.exploration.credit[1]
+    best = max(s.expected_rates(draft(8)))  # 1.5 / 1.25 as the call's correction scales it
+    assert s.choose([draft(8)]) == [0] and s.exploration.credit[1] == pytest.approx(credit - (1.0 - 1 / best))
+    s.observe([draft(8).truncate(0)], [[]], [0.0], 0.6)
+    assert s.costs.verify_costs.step_cost(1, 1) == pytest.approx(0.6**s.costs.verify_costs.STALE_RATE)
+    s.exploration.credit[1] = 0.0  # nothing left to probe drafts with: the estimates' own choice
+    assert s.expected_rates(draft(8))[0] > max(s.expected_rates(draft(8))[1:]) and s.choose([draft(8)]) == [0]
 
 
 def test_a_kind_of_step_not_timed_lately_is_corrected_further_by_its_next_step():
@@ -220,10 +229,10 @@ def test_a_kind_of_step_not_timed_lately_is_corrected_further_by_its_next_step()
 
 def test_confidence_scheduler_cuts_where_whole_prefix_probability_drops_below_threshold():
     s = ConfidenceScheduler(threshold=0.5)
-    s.reset(PromptLookupDrafter(max_draft_len=8))
+    s.start(PromptLookupDrafter(max_draft_len=8))
     s.acceptance.tried[:] = 1e6
     s.acceptance.accepted[:] = 0.8e6  # 0.8, 0.64, 0.512, 0.41: three stay above 0.5
-    assert s.select(draft(8)) == 3
+    assert s.choose([draft(8)]) == [3]
 
 
 class _StepsDrafter(PromptLookupDrafter):
@@ -232,20 +241,20 @@ class _StepsDrafter(PromptLookupDrafter):
 
 def test_cost_aware_tries_each_number_of_passes_then_keeps_the_fastest():
     s = CostAwareScheduler(costs={1: 1.0, 17: 5.0})
-    s.reset(_StepsDrafter(max_draft_len=4))
+    s.start(_StepsDrafter(max_draft_len=4))
     rate = {1: 2.0, 2: 3.0, 3: 1.0}  # tokens per second each number of passes yields
+    trials = s.passes.STEP_TRIALS
     chosen = []
-    for _ in range(3 * s.STEP_TRIALS + 2 * s.STEP_EXPLORE):
-        steps = s.denoising_steps()
+    for _ in range(3 * trials + 2 * s.passes.STEP_EXPLORE):
+        steps = s.plan([1.0]).denoising_steps
         chosen.append(steps)
-        s.update(draft(2), accepted=[0], draft_time=0.0, verify_time=2 / rate[steps])
-    trials = chosen[: 3 * s.STEP_TRIALS]
-    assert trials == [1] * s.STEP_TRIALS + [2] * s.STEP_TRIALS + [3] * s.STEP_TRIALS
-    after = chosen[3 * s.STEP_TRIALS :]
+        s.observe([draft(2)], [[0]], [0.0], 2 / rate[steps])
+    assert chosen[: 3 * trials] == [1] * trials + [2] * trials + [3] * trials
+    after = chosen[3 * trials :]
     assert after.count(2) == len(after) - 2 and after.count(1) == 2  # the best, and the runner-up now and then
     one_pass = CostAwareScheduler(costs={1: 1.0, 17: 5.0})
-    one_pass.reset(PromptLookupDrafter())
-    assert {one_pass.denoising_steps() for _ in range(20)} == {1}
+    one_pass.start(PromptLookupDrafter())
+    assert {one_pass.plan([1.0]).denoising_steps for _ in range(20)} == {1}
 
 
 def test_passes_are_compared_on_steps_whose_verified_nodes_they_shaped():
@@ -253,44 +262,45 @@ def test_passes_are_compared_on_steps_whose_verified_nodes_they_shaped():
     passes (they changed none of them), so it counts toward no pass count's tokens per second; one that verified the
     second stage's nodes counts."""
     s = CostAwareScheduler(costs={1: 1.0, 17: 5.0})
-    s.reset(ChainDrafter([PromptLookupDrafter(max_draft_len=4), _StepsDrafter(max_draft_len=4)]))
+    s.start(ChainDrafter([PromptLookupDrafter(max_draft_len=4), _StepsDrafter(max_draft_len=4)]))
     assert s.pass_stages == {1}
-    for _ in range(3 * s.STEP_TRIALS):
-        assert s.denoising_steps() == 1  # still untried
-        s.update_batch([staged(3, 0)], [[0, 1, 2]], [0.0], 1.0)
-    assert all(steps == 0 for steps, _ in s._passes_stats(1).values())
-    s.update_batch([staged(1, 2)], [[0, 1]], [0.0], 1.0)
-    assert s._passes_stats(1)[1] == [1, 3.0]  # 2 accepted + the verifier's token in 1 s
+    for _ in range(3 * s.passes.STEP_TRIALS):
+        assert s.plan([1.0]).denoising_steps == 1  # still untried
+        s.observe([staged(3, 0)], [[0, 1, 2]], [0.0], 1.0)
+    assert all(steps == 0 for steps, _ in s.passes.at(1, s.max_steps).values())
+    s.observe([staged(1, 2)], [[0, 1]], [0.0], 1.0)
+    assert s.passes.at(1, s.max_steps)[1] == [1, 3.0]  # 2 accepted + the verifier's token in 1 s
 
 
 def test_each_batch_size_chooses_its_own_passes():
     """A batch's tokens per second is not a row's, and its drafter forwards cost other shares of its step: passes
     are tried and ranked per batch size. Here two pay at batch 1, one at batch 4."""
     s = CostAwareScheduler(costs={1: 1.0, 4: 1.0, 17: 5.0})
-    s.reset(_StepsDrafter(max_draft_len=4))
+    s.start(_StepsDrafter(max_draft_len=4))
     rate = {1: {1: 2.0, 2: 3.0, 3: 1.0}, 4: {1: 8.0, 2: 4.0, 3: 4.0}}
+    trials = s.passes.STEP_TRIALS
     chosen = {1: [], 4: []}
-    for _ in range(3 * s.STEP_TRIALS + 1):
+    for _ in range(3 * trials + 1):
         for rows in (1, 4):
-            s.set_rows([1.0] * rows)
-            steps = s.denoising_steps()
+            s.worth.set_rows([1.0] * rows)
+            steps = s.passes.choose(rows, s.max_steps)  # the passes alone: no stage choice declines a step here
             chosen[rows].append(steps)
-            s.update_batch([draft(2)] * rows, [[0]] * rows, [0.0] * rows, 2 * rows / rate[rows][steps])
+            s.observe([draft(2)] * rows, [[0]] * rows, [0.0] * rows, 2 * rows / rate[rows][steps])
     for rows, best in ((1, 2), (4, 1)):
-        assert chosen[rows] == [1] * s.STEP_TRIALS + [2] * s.STEP_TRIALS + [3] * s.STEP_TRIALS + [best]
+        assert chosen[rows] == [1] * trials + [2] * trials + [3] * trials + [best]
 
 
 def test_fixed_scheduler_steps_are_checked_against_the_drafter():
     with pytest.raises(ValueError, match=r"steps=0 must be a positive int"):
         FixedScheduler(2, steps=0)
     with pytest.raises(ValueError, match=r"steps=4 but _StepsDrafter runs at most 3 denoising passes"):
-        FixedScheduler(2, steps=4).reset(_StepsDrafter())
+        FixedScheduler(2, steps=4).start(_StepsDrafter())
     s = FixedScheduler(2, steps=2)
-    s.reset(_StepsDrafter())
-    assert s.denoising_steps() == 2
+    s.start(_StepsDrafter())
+    assert s.plan([1.0]).denoising_steps == 2
     s = FixedScheduler(2)
-    s.reset(_StepsDrafter())
-    assert s.denoising_steps() == 3  # the drafter's own number
+    s.start(_StepsDrafter())
+    assert s.plan([1.0]).denoising_steps == 3  # the drafter's own number
 
 
 def test_calibration_learns_per_confidence_bin():
@@ -321,13 +331,13 @@ def test_calibration_file_round_trip_and_mismatch(tmp_path):
     path = tmp_path / "calibration.json"
     s.save_calibration(path)
     loaded = CostAwareScheduler(calibration=str(path), costs={1: 1.0, 17: 3.0})
-    loaded.reset(drafter, model)
+    loaded.start(drafter, model=model)
     assert torch.equal(loaded.acceptance.tried, s.acceptance.tried)
     other = tiny_model("qwen2", 80, 1, seed=0)
     with pytest.raises(ValueError, match="was measured for .* not for"):
-        CostAwareScheduler(calibration=str(path)).reset(drafter, other)
+        CostAwareScheduler(calibration=str(path)).start(drafter, model=other)
     with pytest.raises(ValueError, match="cannot read calibration file"):
-        CostAwareScheduler(calibration=str(tmp_path / "missing.json")).reset(drafter, model)
+        CostAwareScheduler(calibration=str(tmp_path / "missing.json")).start(drafter, model=model)
     assert json.loads(path.read_text())["fingerprint"] == pair_fingerprint(drafter, model)
 
 
@@ -387,7 +397,7 @@ def test_bad_threshold(bad):
 @pytest.mark.parametrize("k", [0, 17, 2.5])
 def test_bad_fixed_k(k):
     with pytest.raises(ValueError, match="draft length k"):
-        FixedScheduler(k).reset(PromptLookupDrafter(max_draft_len=16))
+        FixedScheduler(k).start(PromptLookupDrafter(max_draft_len=16))
 
 
 def test_the_default_scheduler_lets_its_verifier_be_freed():
@@ -420,8 +430,9 @@ def test_each_decoding_learns_its_own_calibration():
     told = []
 
     class Recording(Scheduler):
-        def set_decoding(self, decoding):
+        def start(self, drafter, *, decoding=None, **call):
             told.append(decoding)
+            super().start(drafter, decoding=decoding, **call)
 
     model = tiny_model("llama", 48, 2, seed=0)
     prompt = torch.tensor([[5, 6, 7, 5, 6, 7, 5, 6]])
@@ -442,13 +453,13 @@ def test_each_decoding_learns_its_own_calibration():
     assert told[1]["temperature"] == 0.7 and told[1]["top_p"] == 0.9 and "acceptance" not in told[1]
     assert told[2]["temperature"] == 1.5 and told[2]["acceptance"] == "rejection"
 
-    greedy = schedulers.adaptive.default_scheduler(drafter, model)
+    greedy = schedulers.cost_aware.default_scheduler(drafter, model)
     hybrid.generate(model, prompt, drafter=drafter, max_new_tokens=12)
     acceptance, tried = greedy.acceptance, greedy.acceptance.tried.clone()
     assert acceptance.fingerprint["decoding"] == {}
     hybrid.generate(model, prompt, drafter=drafter, max_new_tokens=12, do_sample=True, temperature=0.7)
     assert greedy.acceptance is acceptance and torch.equal(acceptance.tried, tried)
-    (sampled,) = [s for s in schedulers.adaptive._DEFAULTS[model].values() if s is not greedy]
+    (sampled,) = [s for s in schedulers.cost_aware._DEFAULTS[model].values() if s is not greedy]
     assert sampled.acceptance.fingerprint["decoding"]["temperature"] == 0.7
 
 
@@ -577,26 +588,28 @@ def test_cost_aware_scales_a_calls_estimates_by_what_its_own_steps_accepted_agai
     step that drafted 6 nodes (4.22 tokens predicted, 0 accepted) the call's correction is 8 / (8 + 4.22), its
     later steps expect that share of the calibration's tokens and verify fewer nodes; the next call starts at 1."""
     s = CostAwareScheduler(costs={1: 1.0, 17: 5.0})
-    s.reset(PromptLookupDrafter(max_draft_len=16))
+    s.start(PromptLookupDrafter(max_draft_len=16))
     s.acceptance.tried[:] = 1e6
     s.acceptance.accepted[:] = 0.9e6
     d = draft(16)
-    assert s.call_factor() == 1.0 and s.select(d) == 6
-    s.update(d.truncate(6), [], 0.0, 1.0)
+    assert s.worth.call_factor() == 1.0 and s.choose([d]) == [6]
+    s.observe([d.truncate(6)], [[]], [0.0], 1.0)
     predicted = sum(0.9**i for i in range(1, 7))
-    factor = s.CALL_PRIOR_TOKENS / (s.CALL_PRIOR_TOKENS + predicted)
-    assert s.call_factor() == pytest.approx(factor, rel=1e-4)
-    cost = s.verify_costs.step_cost
+    factor = s.worth.CALL_PRIOR_TOKENS / (s.worth.CALL_PRIOR_TOKENS + predicted)
+    assert s.worth.call_factor() == pytest.approx(factor, rel=1e-4)
+    cost = s.costs.verify_costs.step_cost
     scaled = [(1 + min(factor * sum(0.9**i for i in range(1, k + 1)), k)) / cost(1, k + 1) for k in range(17)]
     assert s.expected_rates(d) == pytest.approx(scaled, rel=1e-4)
-    k = s.select(d)
+    (k,) = s.choose([d])
     assert k == max(range(17), key=scaled.__getitem__) < 6
-    s.update(d.truncate(k), [0], 0.0, 1.0)  # the step this scheduler selected: 1 accepted of its prediction
-    s.update(d.truncate(k), [0], 0.0, 1.0)  # an update no selection preceded folds nothing in
+    s.observe([d.truncate(k)], [[0]], [0.0], 1.0)  # the step this scheduler selected: 1 accepted of its prediction
+    s.observe([d.truncate(k)], [[0]], [0.0], 1.0)  # an update no selection preceded folds nothing in
     total = predicted + sum(0.9**i for i in range(1, k + 1))
-    assert s.call_factor() == pytest.approx((1 + s.CALL_PRIOR_TOKENS) / (s.CALL_PRIOR_TOKENS + total), rel=1e-4)
-    s.reset(PromptLookupDrafter(max_draft_len=16))
-    assert s.call_factor() == 1.0
+    assert s.worth.call_factor() == pytest.approx(
+        (1 + s.worth.CALL_PRIOR_TOKENS) / (s.worth.CALL_PRIOR_TOKENS + total), rel=1e-4
+    )
+    s.start(PromptLookupDrafter(max_draft_len=16))
+    assert s.worth.call_factor() == 1.0
 
 
 def test_cost_aware_learns_what_each_stage_adds_from_the_nodes_it_proposed():
@@ -606,19 +619,19 @@ def test_cost_aware_learns_what_each_stage_adds_from_the_nodes_it_proposed():
         CostAwareScheduler(costs={1: 1.0, 17: 5.0}),
         ChainDrafter([PromptLookupDrafter(max_draft_len=4), _Counting()]),
     )
-    s.reset(chain)
-    assert s.drafting_stages(1) == 2  # nothing known: a tie, which goes to running every stage
-    s.update_batch([staged(2, 3)], [[0, 1, 2]], [0.5], 1.0)
-    verified_then = s.verify_costs.step_cost(1, 6)  # what that verify was costed at when it ran
+    s.start(chain)
+    assert s.plan([1.0]).drafting_stages == 2  # nothing known: a tie, which goes to running every stage
+    s.observe([staged(2, 3)], [[0, 1, 2]], [0.5], 1.0)
+    verified_then = s.costs.verify_costs.step_cost(1, 6)  # what that verify was costed at when it ran
     entry = s.prior_entry()
     assert entry["stage_tokens"] == [0.0, 2.0, 3.0] and entry["stage_width"] == [1.0, 3.0, 6.0]
     # Two rows, the second with nothing to copy: per row, the lookup brings 1 token, both stages 2.5; the widest row
     # needs 1 + 2 and 1 + 5 positions. Two stages cost 0.5 s of drafting; the lookup alone was never run: free.
     # A batch of 2 is costed from what batches of 2 did, not from the step of 1 before it.
-    s.update_batch([staged(2, 3), staged(0, 4)], [[0, 1, 2], [0, 1]], [0.25, 0.25], 1.0)
-    s.reset(chain)  # a new call: what the batch sizes learned, none of its own steps yet
+    s.observe([staged(2, 3), staged(0, 4)], [[0, 1, 2], [0, 1]], [0.25, 0.25], 1.0)
+    s.start(chain)  # a new call: what the batch sizes learned, none of its own steps yet
     rates = s.expected_stage_rates(2)
-    cost = s.verify_costs.step_cost
+    cost = s.costs.verify_costs.step_cost
     assert rates == pytest.approx([2 / cost(2, 1), 2 * (1 + 1.0) / cost(2, 3), 2 * (1 + 2.5) / (0.5 + cost(2, 6))])
     # A batch of 3 starts from the nearest batch size seen (2), its drafting scaled by the rows.
     assert s.expected_stage_rates(3)[2] == pytest.approx(3 * (1 + 2.5) / (0.75 + cost(3, 6)))
@@ -631,12 +644,12 @@ def test_a_stage_is_costed_at_the_mean_of_its_verifies_not_at_its_mean_width():
     2 tokens, faster than declining (1 token in 1 s). Costed at its mean width (9: 2.23 s) it would look slower
     (0.9 tokens/s) and be dropped."""
     s = CostAwareScheduler(costs={1: 1.0, 2: 2.0, 17: 2.5})
-    s.reset(PromptLookupDrafter(max_draft_len=16))
+    s.start(PromptLookupDrafter(max_draft_len=16))
     for i in range(200):
         nodes = 16 * (i % 2)
-        s.update_batch([draft(nodes)], [list(range(min(nodes, 2)))], [0.0], s.verify_costs.cost(1 + nodes))
-    assert s._gain(1)[1][2] == pytest.approx(9, rel=0.05)  # the mean width
-    assert s.expected_stage_rates(1)[1] == pytest.approx(2 / 1.75, rel=0.05) and s.drafting_stages(1) == 1
+        s.observe([draft(nodes)], [list(range(min(nodes, 2)))], [0.0], s.costs.verify_costs.cost(1 + nodes))
+    assert s.gains.at(1)[1][2] == pytest.approx(9, rel=0.05)  # the mean width
+    assert s.expected_stage_rates(1)[1] == pytest.approx(2 / 1.75, rel=0.05) and s.plan([1.0]).drafting_stages == 1
 
 
 def test_cost_aware_drops_a_stage_whose_forward_does_not_pay_and_keeps_probing_it():
@@ -647,16 +660,14 @@ def test_cost_aware_drops_a_stage_whose_forward_does_not_pay_and_keeps_probing_i
 
     def run(second_cost, steps):
         s = CostAwareScheduler(costs={1: 1.0, 17: 5.0})
-        s.reset(ChainDrafter([PromptLookupDrafter(max_draft_len=4), _Counting()]))
+        s.start(ChainDrafter([PromptLookupDrafter(max_draft_len=4), _Counting()]))
         chosen = []
         for _ in range(steps):
-            n = s.drafting_stages(1)
+            n = s.plan([1.0]).drafting_stages
             chosen.append(n)
             draft = staged(2, 2 if n == 2 else 0)
-            verify = s.verify_costs.cost(1 + len(draft))  # as predicted: the costs stay what they are
-            s.update_batch(
-                [draft], [[0, 1, 2, 3] if n == 2 else [0, 1]], [0.01 + (second_cost if n == 2 else 0)], verify
-            )
+            verify = s.costs.verify_costs.cost(1 + len(draft))  # as predicted: the costs stay what they are
+            s.observe([draft], [[0, 1, 2, 3] if n == 2 else [0, 1]], [0.01 + (second_cost if n == 2 else 0)], verify)
         return chosen
 
     chosen = run(second_cost=4.0, steps=400)
@@ -673,8 +684,8 @@ def test_engine_runs_only_the_stages_the_scheduler_asks_for():
         def __init__(self, n):
             self.n = n
 
-        def drafting_stages(self, rows):
-            return self.n
+        def plan_step(self, steps_left):
+            return dataclasses.replace(super().plan_step(steps_left), drafting_stages=self.n)
 
     model = tiny_model("llama", 48, 2, seed=0)
     prompt = torch.tensor([[5, 6, 7, 5, 6, 7, 5, 6, 9, 10]])
@@ -716,33 +727,35 @@ def test_a_scheduler_starts_from_the_shipped_prior_for_its_pair(tmp_path, monkey
     monkeypatch.setattr(schedulers.prior, "CHECKPOINTS", tmp_path)
 
     fresh = CostAwareScheduler(costs=FLAT)
-    fresh.reset(drafter, model)
+    fresh.start(drafter, model=model)
     assert fresh.prior == path
-    warmed.verify_costs, warmed._draft_cost = VerifyCostModel(FLAT), {}  # seconds are the machine's, not the prior's
+    warmed.costs = StepCosts(FLAT)  # seconds are the machine's, not the prior's
     assert torch.allclose(fresh.acceptance.tried, warmed.acceptance.tried.clamp(max=PRIOR_OBSERVATIONS))
     for d in (staged(3, 1), draft(4, [0.9, 0.9, 0.2, 0.2]), draft(4)):
         assert fresh.acceptance.predict(d) == pytest.approx(warmed.acceptance.predict(d), abs=0.03)
-        assert fresh.select(d) == warmed.select(d)
+        assert fresh.choose([d]) == warmed.choose([d])
     assert fresh.prior_entry()["stage_tokens"] == warmed.prior_entry()["stage_tokens"]
     # A batch of 2 starts from what the prior's batches of 2 measured, not from batch 1's figures.
     assert fresh.prior_entry()["batches"] == warmed.prior_entry()["batches"]
-    assert set(warmed.prior_entry()["batches"]) == {"2"} and warmed._saved[2][1] > 0
-    assert [tokens for _, tokens, _ in fresh._gain(2)] == warmed.prior_entry()["batches"]["2"]["stage_tokens"]
-    fresh.set_rows([10.0, 10.0])
-    realized, promised = warmed._saved[2]
-    assert realized < promised and fresh.batch_worth() == pytest.approx(realized / promised)  # the prior's, unshrunk
+    assert set(warmed.prior_entry()["batches"]) == {"2"} and warmed.worth.saved[2][1] > 0
+    assert [tokens for _, tokens, _ in fresh.gains.at(2)] == warmed.prior_entry()["batches"]["2"]["stage_tokens"]
+    fresh.worth.set_rows([10.0, 10.0])
+    realized, promised = warmed.worth.saved[2]
+    assert realized < promised and fresh.worth.batch_worth() == pytest.approx(
+        realized / promised
+    )  # the prior's, unshrunk
 
     uninformed = CostAwareScheduler(costs=FLAT, prior=False)
-    uninformed.reset(drafter, model)
+    uninformed.start(drafter, model=model)
     assert uninformed.prior is None and float(uninformed.acceptance.tried.sum()) == 0
     other = CostAwareScheduler(costs=FLAT)
-    other.reset(PromptLookupDrafter(max_ngram=2, max_draft_len=4), model)  # another drafter: no prior of its own
+    other.start(PromptLookupDrafter(max_ngram=2, max_draft_len=4), model=model)  # another drafter: no prior of its own
     assert other.prior is None and float(other.acceptance.tried.sum()) == 0
     assert hybrid.generate(model, prompts[0], drafter=drafter, max_new_tokens=4).shape[1] == 12  # the default: too
 
     path.write_text("{not json")
     with pytest.raises(ValueError, match=r"cannot read scheduler prior .*: rebuild it with `python -m experiments"):
-        CostAwareScheduler(costs=FLAT).reset(drafter, model)
+        CostAwareScheduler(costs=FLAT).start(drafter, model=model)
 
 
 def test_a_declined_stage_is_probed_by_the_next_stage_up():
@@ -750,14 +763,16 @@ def test_a_declined_stage_is_probed_by_the_next_stage_up():
     alone (the cheapest, and the only one whose estimate a declined step leaves stale), not every stage; where the
     lookup wins, the probe adds the second stage."""
     s = CostAwareScheduler(costs={1: 1.0, 17: 5.0})
-    s.reset(ChainDrafter([PromptLookupDrafter(max_draft_len=4), _Counting(), _Counting()]))
-    s._stage_gain[1] = [[1, 0.0, 1.0], [100, 0.0, 3.0], [100, 0.0, 5.0], [100, 0.0, 7.0]]
-    assert s.drafting_stages(1) == 0  # no credit yet
-    s._credit[1] = 10.0
-    assert s.drafting_stages(1) == 1 and s._credit[1] == pytest.approx(10.0 - 0.5)  # verifying 3 wide loses 0.5 s
-    s._stage_gain[1] = [[1, 0.0, 1.0], [100, 2.0, 3.0], [100, 2.0, 5.0], [100, 2.0, 7.0]]
+    s.start(ChainDrafter([PromptLookupDrafter(max_draft_len=4), _Counting(), _Counting()]))
+    s.gains.by_rows[1] = [[1, 0.0, 1.0], [100, 0.0, 3.0], [100, 0.0, 5.0], [100, 0.0, 7.0]]
+    assert s.plan([1.0]).drafting_stages == 0  # no credit yet
+    s.exploration.credit[1] = 10.0
+    assert s.plan([1.0]).drafting_stages == 1 and s.exploration.credit[1] == pytest.approx(
+        10.0 - 0.5
+    )  # verifying 3 wide loses 0.5 s
+    s.gains.by_rows[1] = [[1, 0.0, 1.0], [100, 2.0, 3.0], [100, 2.0, 5.0], [100, 2.0, 7.0]]
     assert s.expected_stage_rates(1) == pytest.approx([1.0, 2.0, 1.5, 1.2])
-    assert s.drafting_stages(1) == 2
+    assert s.plan([1.0]).drafting_stages == 2
 
 
 def test_stage_estimates_are_not_scaled_by_the_calls_correction():
@@ -765,11 +780,11 @@ def test_stage_estimates_are_not_scaled_by_the_calls_correction():
     calibration (here 0.5, its steps accepting a tenth of what was predicted) scales what a draft is predicted to
     accept, not what the stages measured."""
     s = CostAwareScheduler(costs={1: 1.0, 17: 5.0})
-    s.reset(ChainDrafter([PromptLookupDrafter(max_draft_len=4), _Counting()]))
-    s._stage_gain[1] = [[1, 0.0, 1.0], [100, 2.0, 3.0], [100, 2.5, 5.0]]
+    s.start(ChainDrafter([PromptLookupDrafter(max_draft_len=4), _Counting()]))
+    s.gains.by_rows[1] = [[1, 0.0, 1.0], [100, 2.0, 3.0], [100, 2.5, 5.0]]
     before = s.expected_stage_rates(1)
-    s._call_predicted, s._call_accepted = 100.0, 10.0
-    assert s.call_factor() == 0.5 and s.expected_stage_rates(1) == pytest.approx(before)
+    s.worth.call_predicted, s.worth.call_accepted = 100.0, 10.0
+    assert s.worth.call_factor() == 0.5 and s.expected_stage_rates(1) == pytest.approx(before)
 
 
 def test_a_stage_chosen_on_another_batch_sizes_estimate_is_corrected_by_its_own_steps():
@@ -777,18 +792,18 @@ def test_a_stage_chosen_on_another_batch_sizes_estimate_is_corrected_by_its_own_
     that run the lookup alone measure it, so within a few steps batch 4 stops drafting (it would otherwise go on
     trusting batch 1's figure, as only a step running every stage, paid from an empty credit, could correct it)."""
     s = CostAwareScheduler(costs={1: 1.0, 4: 1.0, 12: 1.2, 17: 5.0})
-    s.reset(ChainDrafter([PromptLookupDrafter(max_draft_len=4), _Counting()]))
-    s._stage_gain[1] = [[1, 0.0, 1.0], [100, 2.0, 3.0], [100, 2.0, 3.0]]
-    s._draft_cost[1] = [[0, 0.0], [100, 0.001], [100, 1.0]]  # the second stage dear: the lookup alone wins
+    s.start(ChainDrafter([PromptLookupDrafter(max_draft_len=4), _Counting()]))
+    s.gains.by_rows[1] = [[1, 0.0, 1.0], [100, 2.0, 3.0], [100, 2.0, 3.0]]
+    s.costs.draft_cost[1] = [[0, 0.0], [100, 0.001], [100, 1.0]]  # the second stage dear: the lookup alone wins
     chosen = []
     for _ in range(40):
-        n = s.drafting_stages(4)
+        n = s.plan([1.0] * 4).drafting_stages
         chosen.append(n)
         drafts = [staged(2, 2 if n == 2 else 0) if n else staged(0, 0)] * 4
-        ks = s.select_batch(drafts)
+        ks = s.choose(drafts)
         drafts = [d.truncate(k) for d, k in zip(drafts, ks)]
         width = 1 + max(map(len, drafts))
-        s.update_batch(drafts, [[] for _ in drafts], [0.001 * (n > 0)] * 4, s.verify_costs.step_cost(4, width))
+        s.observe(drafts, [[] for _ in drafts], [0.001 * (n > 0)] * 4, s.costs.verify_costs.step_cost(4, width))
     assert chosen[0] == 1 and chosen[-10:] == [0] * 10
 
 
@@ -801,38 +816,38 @@ def test_a_batch_size_counts_the_steps_its_calls_saved_against_what_their_tokens
     the first, which plain decoding takes 3 steps for, so it saved 1. The next call of 2 rows counts a drafted token
     at (1 + 8) / (2 + 8) of its weight; batch 1 at its full weight."""
     s = CostAwareScheduler(costs={1: 1.0, 17: 5.0})
-    s.reset(PromptLookupDrafter(max_draft_len=16))
+    s.start(PromptLookupDrafter(max_draft_len=16))
     s.acceptance.tried[:] = 1e6
     s.acceptance.accepted[:] = 0.9e6
-    assert s.batch_worth() == 1.0
-    s.set_rows([10.0, 10.0])
-    assert s.batch_worth() == 1.0  # nothing counted yet at 2 rows
-    s.update_batch([draft(2), draft(2)], [[0, 1], []], [0.0, 0.0], 1.0)
-    s.set_rows([8.0, 9.0])
-    s.update_batch([draft(2), draft(2)], [[0], [0]], [0.0, 0.0], 1.0)
+    assert s.worth.batch_worth() == 1.0
+    s.worth.set_rows([10.0, 10.0])
+    assert s.worth.batch_worth() == 1.0  # nothing counted yet at 2 rows
+    s.observe([draft(2), draft(2)], [[0, 1], []], [0.0, 0.0], 1.0)
+    s.worth.set_rows([8.0, 9.0])
+    s.observe([draft(2), draft(2)], [[0], [0]], [0.0, 0.0], 1.0)
     s.finish([2, 3], 1.0)
-    worth = (1 + s.SAVED_PRIOR) / (2 + s.SAVED_PRIOR)
-    s.reset(PromptLookupDrafter(max_draft_len=16))
-    s.set_rows([10.0, 10.0])
-    assert s.batch_worth() == pytest.approx(worth)
-    cost = s.verify_costs.step_cost
+    worth = (1 + s.worth.SAVED_PRIOR) / (2 + s.worth.SAVED_PRIOR)
+    s.start(PromptLookupDrafter(max_draft_len=16))
+    s.worth.set_rows([10.0, 10.0])
+    assert s.worth.batch_worth() == pytest.approx(worth)
+    cost = s.costs.verify_costs.step_cost
     e = [sum(0.9**i for i in range(1, k + 1)) for k in range(5)]
     expected = [(2 + min(worth * e[w], w) + min(worth * e[min(w, 2)], min(w, 2))) / cost(2, w + 1) for w in range(5)]
     assert s.expected_batch_rates([draft(4), draft(2)]) == pytest.approx(expected, rel=1e-4)
-    s.update_batch([draft(2), draft(2)], [[], []], [0.0, 0.0], 1.0)  # a call that promised nothing counts nothing
+    s.observe([draft(2), draft(2)], [[], []], [0.0, 0.0], 1.0)  # a call that promised nothing counts nothing
     s.finish([4, 4], 1.0)
-    s.reset(PromptLookupDrafter(max_draft_len=16))
-    s.set_rows([10.0])
-    assert s.batch_worth() == 1.0  # batch 1: a token saves its step
-    s.set_rows([10.0, 10.0])  # the call's batch size is set by its first step
-    assert s.batch_worth() == 1.0
-    s.reset(PromptLookupDrafter(max_draft_len=16))
-    s.set_rows([10.0, 10.0])
-    s.update_batch([draft(2), draft(2)], [[0, 1], [0, 1]], [0.0, 0.0], 1.0)  # promised 2 steps, and saved them
+    s.start(PromptLookupDrafter(max_draft_len=16))
+    s.worth.set_rows([10.0])
+    assert s.worth.batch_worth() == 1.0  # batch 1: a token saves its step
+    s.worth.set_rows([10.0, 10.0])  # the call's batch size is set by its first step
+    assert s.worth.batch_worth() == 1.0
+    s.start(PromptLookupDrafter(max_draft_len=16))
+    s.worth.set_rows([10.0, 10.0])
+    s.observe([draft(2), draft(2)], [[0, 1], [0, 1]], [0.0, 0.0], 1.0)  # promised 2 steps, and saved them
     s.finish([3, 3], 1.0)
-    s.set_rows([10.0, 10.0])
-    realized, promised = s.SAVED_DECAY * 1 + 2, s.SAVED_DECAY * 2 + 2  # earlier calls count less
-    assert s.batch_worth() == pytest.approx((realized + s.SAVED_PRIOR) / (promised + s.SAVED_PRIOR))
+    s.worth.set_rows([10.0, 10.0])
+    realized, promised = s.worth.SAVED_DECAY * 1 + 2, s.worth.SAVED_DECAY * 2 + 2  # earlier calls count less
+    assert s.worth.batch_worth() == pytest.approx((realized + s.worth.SAVED_PRIOR) / (promised + s.worth.SAVED_PRIOR))
 
 
 def test_a_lone_row_counts_its_tokens_whole_and_a_batch_shrinks_toward_the_shipped_prior():
@@ -841,27 +856,29 @@ def test_a_lone_row_counts_its_tokens_whole_and_a_batch_shrinks_toward_the_shipp
     prior measured calls of 2 saving 60% of what their tokens promised, a batch size with few calls of its own is
     shrunk toward that, not toward 1."""
     s = CostAwareScheduler(costs={1: 1.0, 17: 5.0})
-    s.reset(PromptLookupDrafter(max_draft_len=16))
-    s.set_rows([10.0, 10.0])
-    s.update_batch([draft(2), draft(2)], [[0], []], [0.0, 0.0], 1.0)  # promised 1 / 2 step
+    s.start(PromptLookupDrafter(max_draft_len=16))
+    s.worth.set_rows([10.0, 10.0])
+    s.observe([draft(2), draft(2)], [[0], []], [0.0, 0.0], 1.0)  # promised 1 / 2 step
     s.finish([1, 0], 1.0)  # the second row ended at once: every row but one finished
-    s.reset(PromptLookupDrafter(max_draft_len=16))
-    s.set_rows([10.0, 10.0])
-    s.update_batch([draft(2), draft(2)], [[0, 1], []], [0.0, 0.0], 1.0)  # promises 1
-    s.set_rows([6.0])
-    assert s.batch_worth() == 1.0  # the row left: its tokens are steps
-    s.update_batch([draft(2)], [[0, 1]], [0.0], 1.0)  # saves 2 steps, counted apart
+    s.start(PromptLookupDrafter(max_draft_len=16))
+    s.worth.set_rows([10.0, 10.0])
+    s.observe([draft(2), draft(2)], [[0, 1], []], [0.0, 0.0], 1.0)  # promises 1
+    s.worth.set_rows([6.0])
+    assert s.worth.batch_worth() == 1.0  # the row left: its tokens are steps
+    s.observe([draft(2)], [[0, 1]], [0.0], 1.0)  # saves 2 steps, counted apart
     s.finish([7, 1], 1.0)  # 7 tokens after the first in 2 steps: saved 5 - 2 alone = 3 at 2 rows, against 1 promised
-    s.set_rows([10.0, 10.0])
-    assert s._saved[2] == pytest.approx([s.SAVED_DECAY * 0 + 3, s.SAVED_DECAY * 0.5 + 1])
-    s._shipped_worth = {2: 0.6, 8: 0.4}
-    realized, promised = s._saved[2]
-    assert s.batch_worth() == pytest.approx(min((realized + 0.6 * s.SAVED_PRIOR) / (promised + s.SAVED_PRIOR), 1.0))
-    s._saved = {}
-    assert s.batch_worth() == pytest.approx(0.6)
-    s.reset(PromptLookupDrafter(max_draft_len=16))
-    s.set_rows([10.0] * 6)
-    assert s.batch_worth() == pytest.approx(0.4)  # the nearest batch size the prior measured
+    s.worth.set_rows([10.0, 10.0])
+    assert s.worth.saved[2] == pytest.approx([s.worth.SAVED_DECAY * 0 + 3, s.worth.SAVED_DECAY * 0.5 + 1])
+    s.worth.shipped_worth = {2: 0.6, 8: 0.4}
+    realized, promised = s.worth.saved[2]
+    assert s.worth.batch_worth() == pytest.approx(
+        min((realized + 0.6 * s.worth.SAVED_PRIOR) / (promised + s.worth.SAVED_PRIOR), 1.0)
+    )
+    s.worth.saved = {}
+    assert s.worth.batch_worth() == pytest.approx(0.6)
+    s.start(PromptLookupDrafter(max_draft_len=16))
+    s.worth.set_rows([10.0] * 6)
+    assert s.worth.batch_worth() == pytest.approx(0.4)  # the nearest batch size the prior measured
 
 
 def test_a_batch_call_drafts_from_its_first_call_and_counts_what_its_steps_saved():
@@ -882,17 +899,17 @@ def test_a_batch_call_drafts_from_its_first_call_and_counts_what_its_steps_saved
             return Draft(row[n : n + min(max_tokens, 1 + n % 3)])  # 1-3 right tokens, so rows advance unevenly
 
     class Recording(CostAwareScheduler):
-        def update_batch(self, drafts, accepted, draft_times, verify_time):
-            weights = self._row_weights(len(drafts))
+        def observe(self, drafts, accepted, draft_times, verify_time):
+            weights = self.worth.row_weights(len(drafts))
             steps.append(len(drafts))
             if len(drafts) > 1:  # a lone row's tokens are steps saved, not promises
                 promised.append(sum(w * len(kept) for w, kept in zip(weights, accepted)) / sum(weights))
             else:
                 alone.append(sum(map(len, accepted)))
-            super().update_batch(drafts, accepted, draft_times, verify_time)
+            super().observe(drafts, accepted, draft_times, verify_time)
 
     scheduler = Recording(costs=FLAT)
     out = hybrid.generate(model, prompt, drafter=RowOracle(), scheduler=scheduler, max_new_tokens=12)
     assert torch.equal(out, expected)
     assert sum(promised) > 0 and len(steps) < 11
-    assert scheduler._saved[2] == pytest.approx([11 - len(steps) - sum(alone), sum(promised)])
+    assert scheduler.worth.saved[2] == pytest.approx([11 - len(steps) - sum(alone), sum(promised)])

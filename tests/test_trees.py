@@ -19,7 +19,7 @@ from drafters import Draft, Drafter, DraftError
 from drafters.tree import add_path, best_first_tree, concatenate
 from hybrid.testing import check_cache_matches_prefill, tiny_model
 from schedulers import FixedScheduler
-from schedulers.adaptive import expected_accepted
+from schedulers.calibrated import expected_accepted
 from verifiers.cache import SharedCache, tree_layout
 from verifiers.verifier import Verifier
 

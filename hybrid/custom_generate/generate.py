@@ -114,13 +114,13 @@ def warm_up(model, processor=None) -> None:
     cached on disk), what those kernels need made, and the model's probes. `python -m hybrid serve` runs it in the
     model's process before the server answers /health."""
     from hybrid.export import served_drafter
-    from schedulers.adaptive import default_scheduler
+    from schedulers.cost_aware import default_scheduler
     from schedulers.cost_model import prepare_kernels
     from verifiers.verifier import settle_probes
 
     drafter = cached_drafter(model, served_drafter(model.name_or_path))
     if drafter is not None:
-        default_scheduler(drafter, model).reset(drafter, model)
+        default_scheduler(drafter, model).start(drafter, model=model)
     prepare_kernels(model)
     settle_probes(model)
 
