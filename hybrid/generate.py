@@ -29,11 +29,11 @@ from hybrid.engine import decode
 from hybrid.stats import GenerationStats
 from schedulers.adaptive import default_scheduler
 from schedulers.base import Scheduler
-from schedulers.cost_model import cached_kernel_choice
-from verifiers.cache import foreign_cache_reason
+from verifiers.cost_table import cached_kernel_choice
 from verifiers.logits import shared_processors
 from verifiers.positions import crossing_problem
-from verifiers.verifier import Verifier, adapted_model, check_causal_lm
+from verifiers.support import adapted_model, check_causal_lm, check_masks, foreign_cache_reason
+from verifiers.verifier import Verifier
 
 # `generate` arguments outside GenerationConfig that this engine honours.
 _CALL_ARGS = (
@@ -301,7 +301,7 @@ def generate(
         forward_costs=forward_costs,
     )
     _check_context(verifier, prompt_len, config.max_length, attention_mask, batch)
-    verifier.check_masks([None] * batch if attention_mask is None else list(attention_mask))
+    check_masks(model, [None] * batch if attention_mask is None else list(attention_mask))
     _check_drafter(drafter, verifier, call["tokenizer"])
     decoding = _decoding(config, acceptance)
     if scheduler is None:
