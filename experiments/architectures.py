@@ -302,7 +302,7 @@ def judge(model_type: str) -> dict:
     from drafters import PromptLookupDrafter
     from drafters.oracle import OracleDrafter
     from hybrid.testing import AdversarialDrafter, RandomTreeDrafter, check_greedy_lossless, check_sampled_identical
-    from verifiers.cache import row_mask_problem
+    from verifiers.support import row_mask_problem
 
     warnings.filterwarnings("ignore")
     transformers.logging.set_verbosity_error()

@@ -4,7 +4,7 @@ each width gets, and the cost table that makes: the machine's own, cached for hy
     python -m experiments.verify_costs                      # the default verifier, best of 5 interleaved rounds
     python -m experiments.verify_costs --model tiny --rounds 1 --no-save
 
-The kernels take turns at each m (`schedulers.cost_model.measure_verify_costs`), and each curve is the best of the
+The kernels take turns at each m (`verifiers.cost_table.measure_verify_costs`), and each curve is the best of the
 rounds, so a moment of machine load elsewhere does not count; a width gets PyTorch's own kernel unless another is
 `KERNEL_MARGIN` faster. Run it with nothing else on the machine: the table it writes replaces the one
 `hybrid.generate` measured on first use (3 rounds), and is what every later call runs.
@@ -18,7 +18,7 @@ import time
 import torch
 
 from experiments.models import MODELS, load_model
-from schedulers.cost_model import PROBE_SIZES, VerifyCostModel, choose_kernels, measure_verify_costs
+from verifiers.cost_table import PROBE_SIZES, CostTable, choose_kernels, measure_verify_costs, save_table
 
 
 def main(argv=None) -> dict[str, dict]:
@@ -40,7 +40,7 @@ def main(argv=None) -> dict[str, dict]:
     costs, kernels = choose_kernels(curves)
     saved = not args.no_save and tuple(sorted(costs)) == PROBE_SIZES  # hybrid's table has every probe size
     if saved:
-        VerifyCostModel(costs, kernels).save(model)
+        save_table(model, CostTable(costs, kernels))
     one = curves["torch"][min(costs)]
     names = list(curves)
     where = "; cached as this machine's table" if saved else ""

@@ -16,8 +16,8 @@ from transformers.generation.configuration_utils import BaseWatermarkingConfig, 
 
 from drafters.base import Drafter
 from hybrid.acceptance import ACCEPTANCE_RULES
-from verifiers.cache import foreign_cache_reason
 from verifiers.positions import crossing_problem
+from verifiers.support import foreign_cache_reason
 from verifiers.verifier import Verifier
 
 # `generate` arguments outside GenerationConfig that this engine honours.

@@ -7,9 +7,9 @@ from pathlib import Path
 import torch
 
 from schedulers.cost_aware import default_scheduler
-from schedulers.cost_model import prepare_kernels
+from verifiers.cost_table import prepare_kernels
 from verifiers.embedded import load_verifier
-from verifiers.verifier import settle_probes
+from verifiers.support import settle_probes
 
 # The shipped block-diffusion drafter for this verifier: rebuilt by `python -m drafters.training.train`.
 DRAFTER_DIR = Path(__file__).resolve().parent.parent / "drafters" / "checkpoints" / "smollm2-135m-block"
@@ -59,8 +59,8 @@ def load_default(device: str | torch.device = "cpu", dtype: torch.dtype = torch.
 
     float32 is the default because on CPUs it is faster than bfloat16 for this model. The default scheduler's
     one-time verify-cost probe (about 25 s on a 2-core CPU, then cached on disk) runs here, not inside the first
-    generate call, and so does what the kernels it chose need made first (`schedulers.cost_model.prepare_kernels`)
-    and every probe of the model a call may ask (`verifiers.verifier.settle_probes`; kept on disk too).
+    generate call, and so does what the kernels it chose need made first (`verifiers.cost_table.prepare_kernels`)
+    and every probe of the model a call may ask (`verifiers.support.settle_probes`; kept on disk too).
     """
     model, tokenizer = load_verifier(device, dtype, device_map)
     drafter = default_drafter(model, tokenizer)

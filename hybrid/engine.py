@@ -314,7 +314,7 @@ def _verify(verifier: Verifier, active: list[_Row], rule: Rule) -> None:
         _accept(row, row_logits, row_pending, rule) for row, row_logits, row_pending in zip(active, logits, pending)
     ]
     # Rewind: the cache keeps every committed token but the newest, i.e. the pending token and the accepted path.
-    verifier.keep_rows(kept)
+    verifier.keep_accepted(kept)
 
 
 def _pending_scores(active: list[_Row], logits: torch.Tensor) -> list[torch.Tensor]:

@@ -32,9 +32,10 @@ from hybrid.engine import DecodeSettings, decode
 from hybrid.stats import GenerationStats
 from schedulers.base import Scheduler
 from schedulers.cost_aware import default_scheduler
-from schedulers.cost_model import cached_kernel_choice
+from verifiers.cost_table import cached_kernel_choice
 from verifiers.logits import shared_processors
-from verifiers.verifier import Verifier, adapted_model, check_causal_lm
+from verifiers.support import adapted_model, check_causal_lm, check_masks
+from verifiers.verifier import Verifier
 
 
 def generate(
@@ -105,7 +106,7 @@ def generate(
     check_drafter_type(drafter)
     verifier = _verifier(model, drafter, config)
     check_context(verifier, prompt_len, config.max_length, attention_mask, batch)
-    verifier.check_masks([None] * batch if attention_mask is None else list(attention_mask))
+    check_masks(model, [None] * batch if attention_mask is None else list(attention_mask))
     check_drafter(drafter, verifier, call["tokenizer"])
     decoding = _decoding(config, acceptance)
     if scheduler is None:

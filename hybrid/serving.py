@@ -519,7 +519,7 @@ def answer_failures(app):
     from starlette.exceptions import HTTPException  # FastAPI's own, and the one it raises on a body it cannot parse
 
     from drafters import DraftError
-    from verifiers.cache import CacheMemoryError
+    from verifiers.memory import CacheMemoryError
 
     def error_object(status: int, kind: str, message: str, param: str | None = None):
         error = {"message": message, "type": kind, "param": param, "code": None}

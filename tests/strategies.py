@@ -28,7 +28,7 @@ from hybrid.testing import (
     tiny_model,
 )
 from schedulers import ConfidenceScheduler, CostAwareScheduler, FixedScheduler, HeuristicScheduler
-from verifiers.cache import masked_window_problem, row_mask_problem, slot_position_problem
+from verifiers.support import masked_window_problem, row_mask_problem, slot_position_problem
 
 # Architectures whose forward over a whole sequence is not how `generate` decodes it: Moshi's own mask ignores the
 # window its cache keeps, so past the window a fresh forward gives other states than decoding does.

@@ -17,10 +17,18 @@ from torch import nn
 import hybrid
 from drafters import PromptLookupDrafter
 from hybrid.testing import check_greedy_lossless, tiny_model
-from schedulers import FixedScheduler, cost_model
-from schedulers.cost_model import KERNEL_MARGIN, VerifyCostModel, cached_kernel_choice, choose_kernels
-from verifiers import kernels
+from schedulers import FixedScheduler, VerifyCostModel
+from verifiers import cost_table, kernels
 from verifiers import verifier as verifier_module
+from verifiers.cost_table import (
+    KERNEL_MARGIN,
+    CostTable,
+    cached_kernel_choice,
+    cached_table,
+    choose_kernels,
+    save_table,
+    verify_cost_table,
+)
 from verifiers.kernels import KERNELS, chosen_kernels, cpu_linears, force_kernel, packed_linear, weight_left_linear
 
 IDS = torch.tensor([[1, 2, 3, 1, 2, 3, 1, 2]])
@@ -98,7 +106,7 @@ def test_generate_after_a_weight_changed_behind_its_version_counter_equals_model
     """A user who merges a LoRA into the verifier between two calls gets the merged model's output from the second."""
     monkeypatch.setenv("HYBRID_COSTS", str(tmp_path / "costs"))
     model = tiny_model(arch, 64, 2, seed=0)
-    VerifyCostModel(dict.fromkeys(range(1, 10), 1.0), dict.fromkeys(range(1, 10), "packed")).save(model)
+    save_table(model, CostTable(dict.fromkeys(range(1, 10), 1.0), dict.fromkeys(range(1, 10), "packed")))
     before = model.generate(IDS, max_new_tokens=12, do_sample=False)
     assert torch.equal(hybrid.generate(model, IDS, drafter=PromptLookupDrafter(), max_new_tokens=12), before)
     head = model.get_output_embeddings()
@@ -114,7 +122,7 @@ def test_a_call_frees_the_reordered_copies_of_weights_no_longer_float32(tmp_path
     """`model.half()` after a call: the next call keeps no float32 copy of what is now a float16 weight."""
     monkeypatch.setenv("HYBRID_COSTS", str(tmp_path / "costs"))
     model = tiny_model("llama", 64, 2, seed=0)
-    VerifyCostModel(dict.fromkeys(range(1, 10), 1.0), dict.fromkeys(range(1, 10), "packed")).save(model)
+    save_table(model, CostTable(dict.fromkeys(range(1, 10), 1.0), dict.fromkeys(range(1, 10), "packed")))
     hybrid.generate(model, IDS, drafter=None, max_new_tokens=4)
     assert model.lm_head in kernels._PACKED
     model.half()
@@ -295,7 +303,7 @@ def test_a_width_gets_the_faster_kernel_and_pytorchs_within_the_margin():
 
 
 def test_the_cost_table_exposes_the_kernel_of_every_width():
-    table = VerifyCostModel(
+    table = CostTable(
         {1: 1.0, 2: 1.0, 4: 1.0, 8: 2.0, 12: 2.0, 16: 3.0},
         {2: "weight-left", 4: "weight-left", 8: "packed", 12: "packed", 16: "weight-left"},
     )
@@ -312,23 +320,24 @@ def test_the_cost_table_exposes_the_kernel_of_every_width():
         **dict.fromkeys([2, 3, 4, 16], "weight-left"),
         **dict.fromkeys(range(8, 13), "packed"),
     }
-    assert VerifyCostModel({1: 1.0, 5: 2.0}).row_kernels() == {}  # no choice given: PyTorch's
+    assert CostTable({1: 1.0, 5: 2.0}).row_kernels() == {}  # no choice given: PyTorch's
 
 
 def test_the_choice_is_cached_with_the_cost_table_and_read_without_measuring(tmp_path, monkeypatch):
     monkeypatch.setenv("HYBRID_COSTS", str(tmp_path / "costs"))
     model = tiny_model("llama", 64, 1, seed=0)
     curves = {"torch": {1: 1.0, 2: 2.0, 3: 2.0}, "weight-left": {1: 1.0, 2: 1.0, 3: 3.0}}
-    monkeypatch.setattr(cost_model, "measure_verify_costs", lambda model: curves)
+    monkeypatch.setattr(cost_table, "measure_verify_costs", lambda model: curves)
     assert cached_kernel_choice(model)[0] == {}  # nothing cached: PyTorch's kernels, nothing measured
-    measured = VerifyCostModel.for_model(model)
+    measured = verify_cost_table(model)
     assert measured.kernels == {1: "torch", 2: "weight-left", 3: "torch"}
-    monkeypatch.setattr(cost_model, "measure_verify_costs", mock.Mock(side_effect=AssertionError("measured again")))
-    cached = VerifyCostModel.for_model(model)
-    assert cached.kernels == measured.kernels and cached.table == measured.table
+    monkeypatch.setattr(cost_table, "measure_verify_costs", mock.Mock(side_effect=AssertionError("measured again")))
+    cached = verify_cost_table(model)
+    assert cached.kernels == measured.kernels and cached.costs == measured.costs
+    assert VerifyCostModel.for_model(model).table == list(cached.costs.values())  # the scheduler's curve: the same
     assert cached_kernel_choice(model)[0] == {2: "weight-left"}
-    (tmp_path / "costs" / f"{cost_model.device_key(model)}.json").write_text('{"1": 0.1}')  # not a table
-    assert VerifyCostModel.cached(model) is None
+    (tmp_path / "costs" / f"{cost_table.device_key(model)}.json").write_text('{"1": 0.1}')  # not a table
+    assert cached_table(model) is None
 
 
 def test_a_cached_table_is_not_read_on_another_kind_of_cpu(tmp_path, monkeypatch):
@@ -336,19 +345,19 @@ def test_a_cached_table_is_not_read_on_another_kind_of_cpu(tmp_path, monkeypatch
     wins on one may double a verify on the other."""
     monkeypatch.setenv("HYBRID_COSTS", str(tmp_path / "costs"))
     model = tiny_model("llama", 64, 1, seed=0)
-    monkeypatch.setattr(cost_model, "cpu_name", lambda: "Xeon avx2 fma")
-    VerifyCostModel({1: 1.0, 2: 1.0}, {2: "weight-left"}).save(model)
-    assert VerifyCostModel.cached(model) is not None
-    monkeypatch.setattr(cost_model, "cpu_name", lambda: "Xeon amx_tile avx2 avx512f fma")
-    assert VerifyCostModel.cached(model) is None
+    monkeypatch.setattr(cost_table, "cpu_name", lambda: "Xeon avx2 fma")
+    save_table(model, CostTable({1: 1.0, 2: 1.0}, {2: "weight-left"}))
+    assert cached_table(model) is not None
+    monkeypatch.setattr(cost_table, "cpu_name", lambda: "Xeon amx_tile avx2 avx512f fma")
+    assert cached_table(model) is None
 
 
 @pytest.mark.parametrize("batch", [1, 2, 3])
 def test_a_plain_step_runs_the_kernel_chosen_for_its_batch_width(batch, tmp_path, monkeypatch):
     monkeypatch.setenv("HYBRID_COSTS", str(tmp_path / "costs"))
     model = tiny_model("llama", 64, 1, seed=0)
-    VerifyCostModel({1: 1.0, 2: 1.0, 3: 2.0}, {2: "weight-left"}).save(model)
-    monkeypatch.setattr(cost_model, "measure_verify_costs", mock.Mock(side_effect=AssertionError("measured")))
+    save_table(model, CostTable({1: 1.0, 2: 1.0, 3: 2.0}, {2: "weight-left"}))
+    monkeypatch.setattr(cost_table, "measure_verify_costs", mock.Mock(side_effect=AssertionError("measured")))
     seen, spy = rows_seen()
     ids = IDS.expand(batch, -1)
     with spy:
@@ -415,8 +424,8 @@ def test_a_call_installs_its_kernels_once_and_leaves_the_model_as_it_was(tmp_pat
     """Installing the dispatch around each forward costs milliseconds on a real model: a call installs it once."""
     monkeypatch.setenv("HYBRID_COSTS", str(tmp_path / "costs"))
     model = tiny_model("llama", 64, 2, seed=0)
-    VerifyCostModel({1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0}, {3: "weight-left", 4: "weight-left"}).save(model)
-    monkeypatch.setattr(cost_model, "measure_verify_costs", mock.Mock(side_effect=AssertionError("measured")))
+    save_table(model, CostTable({1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0}, {3: "weight-left", 4: "weight-left"}))
+    monkeypatch.setattr(cost_table, "measure_verify_costs", mock.Mock(side_effect=AssertionError("measured")))
     blocks, real = [], verifier_module.chosen_kernels
     monkeypatch.setattr(verifier_module, "chosen_kernels", lambda *a, **k: blocks.append(a[1]) or real(*a, **k))
     seen, spy = rows_seen()
@@ -435,10 +444,10 @@ def test_the_packed_weights_are_made_before_a_call_needs_them(tmp_path, monkeypa
     monkeypatch.setenv("HYBRID_COSTS", str(tmp_path / "costs"))
     model = tiny_model("llama", 64, 2, seed=0)
     linears = cpu_linears(model)
-    cost_model.prepare_kernels(model)  # nothing cached: nothing to make
+    cost_table.prepare_kernels(model)  # nothing cached: nothing to make
     assert not any(module in kernels._PACKED for module in linears)
-    VerifyCostModel({1: 1.0, 2: 1.0, 9: 1.0}, {9: "packed"}).save(model)
-    cost_model.prepare_kernels(model)
+    save_table(model, CostTable({1: 1.0, 2: 1.0, 9: 1.0}, {9: "packed"}))
+    cost_table.prepare_kernels(model)
     made = [kernels.packed_weight(module) for module in linears]
     assert all(kernels.packed_weight(module) is weight for module, weight in zip(linears, made))  # not made again
     kernels._PACKED.clear()
@@ -464,7 +473,7 @@ def test_under_cpu_autocast_every_product_is_pytorchs_as_in_generate(kernel, tmp
     under the same autocast, up to a near tie in autocast's dtype."""
     monkeypatch.setenv("HYBRID_COSTS", str(tmp_path / "costs"))
     model = tiny_model("llama", 64, 2, seed=0)
-    VerifyCostModel(dict.fromkeys(range(1, 18), 1.0), dict.fromkeys(range(1, 18), kernel)).save(model)
+    save_table(model, CostTable(dict.fromkeys(range(1, 18), 1.0), dict.fromkeys(range(1, 18), kernel)))
     seen, spy = rows_seen(kernel)
     with spy, torch.autocast("cpu", dtype=torch.bfloat16):
         check_greedy_lossless(model, IDS, PromptLookupDrafter(), max_new_tokens=12)
@@ -477,13 +486,13 @@ def test_the_cost_probe_under_autocast_measures_the_models_own_products(tmp_path
     monkeypatch.setenv("HYBRID_COSTS", str(tmp_path / "costs"))
     model = tiny_model("llama", 64, 2, seed=0)
     autocast_seen = []
-    real = cost_model._measure_verify_costs
+    real = cost_table._measure_verify_costs
 
     def measure(*args, **kwargs):
         autocast_seen.append(torch.is_autocast_enabled("cpu"))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(cost_model, "_measure_verify_costs", measure)
+    monkeypatch.setattr(cost_table, "_measure_verify_costs", measure)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         check_greedy_lossless(model, IDS, PromptLookupDrafter(), max_new_tokens=12)
-    assert autocast_seen == [False] and VerifyCostModel.cached(model) is not None
+    assert autocast_seen == [False] and cached_table(model) is not None

@@ -24,8 +24,7 @@ from drafters import Draft, ModelDrafter, PromptLookupDrafter
 from drafters.oracle import OracleDrafter
 from hybrid.testing import AdversarialDrafter, check_greedy_lossless, check_sampled_identical, tiny_model
 from schedulers import FixedScheduler
-from verifiers import cache as cache_module
-from verifiers import verifier as verifier_module
+from verifiers import cache_layers, cost_table, probes, support
 
 GREEDY = {"do_sample": False, "pad_token_id": 0}
 
@@ -460,7 +459,7 @@ def test_a_half_precision_model_of_other_modules_is_served_through_its_rounding(
     for layer in model.model.layers:
         layer.mlp.up_proj = WidthKernelLinear(layer.mlp.up_proj)
         layer.mlp.up_proj.forward = layer.mlp.up_proj.linear.forward  # a plain product: only the class is other
-    assert not verifier_module.scores_depend_on_width(model)
+    assert not probes.scores_depend_on_width(model)
     check_greedy_lossless(model, torch.tensor([[4, 5, 6, 4, 5]]), PromptLookupDrafter(), max_new_tokens=16, **GREEDY)
 
 
@@ -514,7 +513,7 @@ def test_an_image_encoders_position_table_does_not_bound_the_text():
     """GIT's image encoder has a table of its patches' positions (5 here), which no text token is placed by: once
     taken for the text's, it refused any call longer than that."""
     model = tiny_git()
-    assert cache_module.learned_position_limit(model) == 128
+    assert support.learned_position_limit(model) == 128
     prompt = torch.randint(1, 96, (1, 9), generator=torch.Generator().manual_seed(1))
     check_greedy_lossless(model, prompt, PromptLookupDrafter(), max_new_tokens=20, pad_token_id=0)
 
@@ -540,13 +539,13 @@ def test_a_model_whose_generate_reads_a_padded_row_off_its_slots_refuses_masked_
 def test_a_probes_verdict_is_kept_for_later_processes_by_what_decides_it(monkeypatch):
     """A probe's verdict is read from disk by a later process with the same kind of model, not probed inside its
     first call; a model with a hook (which can change what it computes) is probed anew."""
-    assert verifier_module.padding_changes_outputs(tiny_git())
+    assert probes.padding_changes_outputs(tiny_git())
     monkeypatch.setattr(transformers.GitForCausalLM, "generate", None)  # a probe now fails: verdict False
-    assert verifier_module.padding_changes_outputs(tiny_git())  # a new model object: its verdict read from disk
+    assert probes.padding_changes_outputs(tiny_git())  # a new model object: its verdict read from disk
     hooked = tiny_git()
     hooked.register_forward_hook(lambda module, args, output: output)
-    assert not verifier_module.padding_changes_outputs(hooked)
-    assert not verifier_module.padding_changes_outputs(tiny_model("llama", 96, 2, seed=0))
+    assert not probes.padding_changes_outputs(hooked)
+    assert not probes.padding_changes_outputs(tiny_model("llama", 96, 2, seed=0))
 
 
 RECURRENT_MODELS = {
@@ -755,7 +754,7 @@ def test_per_layer_head_sizes_are_read_per_layer():
     """Gemma 4's full-attention layers have their own head size: the global config refuses to say `head_dim`
     (AmbiguousGlobalPerLayerAttributeError), so the cache reads each layer's config."""
     model = tiny_model("gemma4", 96, 2, seed=0)
-    assert cache_module.cache_fingerprint(model)["layers"] == [(2, 8, 8), (2, 16, 16)]
+    assert cache_layers.cache_fingerprint(model)["layers"] == [(2, 8, 8), (2, 16, 16)]
     prompt = torch.randint(1, 96, (1, 12), generator=torch.Generator().manual_seed(1))
     for drafter in (None, PromptLookupDrafter(), ModelDrafter(model)):
         check_greedy_lossless(model, prompt, drafter, max_new_tokens=30)
@@ -839,8 +838,6 @@ def test_a_model_that_keeps_state_in_a_cache_of_its_own_is_refused():
     """BLT wraps the cache it is passed in an EncoderDecoderCache of its own each call, whose second half holds its
     local decoder's keys/values: through hybrid's cache they would be lost between forwards. Its sizes live in
     sub-configs, none in the top-level config that the cost table's key and the mask check read."""
-    from schedulers import cost_model
-
     layers = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
     local = dict(layers, cross_attn_k=1, hidden_size_global=32)
     config = transformers.BltConfig(
@@ -855,7 +852,7 @@ def test_a_model_that_keeps_state_in_a_cache_of_its_own_is_refused():
     )
     torch.manual_seed(0)
     model = transformers.BltForCausalLM(config).eval()
-    assert cost_model.device_key(model) and cache_module.mask_problem(model.config.get_text_config()) is None
+    assert cost_table.device_key(model) and support.mask_problem(model.config.get_text_config()) is None
     for drafter in (None, PromptLookupDrafter()):
         with pytest.raises(ValueError, match=r"BltForCausalLM.*cache of its own \(EncoderDecoderCache\).*model\.gen"):
             hybrid.generate(model, PROMPT, drafter=drafter, max_new_tokens=8, **GREEDY)
@@ -865,8 +862,6 @@ def test_a_model_that_takes_the_whole_sequence_every_step_is_refused():
     """XLM's forward takes the whole sequence each step and slices off what its cache holds (its generate appends a
     mask token to score the next one): fed only the new tokens it fails, so it is refused before any forward of
     hybrid's, the cost measurement's included."""
-    from schedulers import cost_model
-
     config = transformers.XLMConfig(vocab_size=96, emb_dim=32, n_layers=2, n_heads=4, causal=True, pad_token_id=0)
     torch.manual_seed(0)
     model = transformers.XLMWithLMHeadModel(config).eval()
@@ -877,14 +872,12 @@ def test_a_model_that_takes_the_whole_sequence_every_step_is_refused():
         with pytest.raises(ValueError, match=rf"XLMWithLMHeadModel cannot be a verifier.*{said}.*model\.generate"):
             hybrid.generate(model, PROMPT, drafter=drafter, max_new_tokens=8, **GREEDY)
     with pytest.raises(ValueError, match=r"XLMWithLMHeadModel cannot be a verifier.*fed 3 tokens after 2 cached.*gen"):
-        cost_model.measure_verify_costs(model)
+        cost_table.measure_verify_costs(model)
 
 
 def test_a_model_that_takes_one_token_at_a_time_onto_its_cache_decodes_without_drafts():
     """ProphetNet's decoder asserts one token per forward once it has a cache. With a drafter it is refused, naming
     drafter=None, before any verify or cost measurement; without one it decodes as generate."""
-    from schedulers import cost_model
-
     config = transformers.ProphetNetConfig(
         vocab_size=96,
         hidden_size=32,
@@ -903,15 +896,13 @@ def test_a_model_that_takes_one_token_at_a_time_onto_its_cache_decodes_without_d
         hybrid.generate(model, PROMPT, drafter=PromptLookupDrafter(), max_new_tokens=8, **GREEDY)
     check_greedy_lossless(model, PROMPT, None, max_new_tokens=12, **GREEDY)
     with pytest.raises(ValueError, match=r"cannot verify drafted tokens.*decoder_input_ids. of length 1.*drafter=None"):
-        cost_model.measure_verify_costs(model)
+        cost_table.measure_verify_costs(model)
 
 
 def test_a_model_that_counts_positions_from_a_pad_id_it_lacks_is_served():
     """XMOD, as RoBERTa, counts positions from pad_token_id when it is not given them; without one its forward fails
     with a TypeError. hybrid passes position ids wherever it feeds tokens, the cost measurement's context included,
     as generate does."""
-    from schedulers import cost_model
-
     config = transformers.XmodConfig(
         vocab_size=96,
         hidden_size=32,
@@ -925,6 +916,6 @@ def test_a_model_that_counts_positions_from_a_pad_id_it_lacks_is_served():
     )
     torch.manual_seed(0)
     model = transformers.XmodForCausalLM(config).eval()
-    assert cost_model.measure_verify_costs(model, sizes=(1, 3), repeats=1)["torch"].keys() == {1, 3}
+    assert cost_table.measure_verify_costs(model, sizes=(1, 3), repeats=1)["torch"].keys() == {1, 3}
     for drafter in (None, PromptLookupDrafter()):
         check_greedy_lossless(model, PROMPT, drafter, max_new_tokens=12, **GREEDY)

@@ -26,9 +26,9 @@ from schedulers import (
     VerifyCostModel,
 )
 from schedulers.calibrated import expected_accepted, pair_fingerprint
-from schedulers.cost_model import measure_verify_costs
 from schedulers.prior import PRIOR_FILE, PRIOR_OBSERVATIONS, write_prior
 from schedulers.step_costs import StepCosts
+from verifiers.cost_table import measure_verify_costs
 from verifiers.kernels import KERNELS
 from verifiers.verifier import static_width
 

@@ -12,10 +12,13 @@ from strategies import padded_batches, tiny_model, verifiers
 from transformers import DynamicCache
 
 import hybrid
-import verifiers.cache as cache_module
+import verifiers.memory as memory_module
+import verifiers.support as support_module
 from drafters import PromptLookupDrafter
 from verifiers import Verifier
-from verifiers.cache import CacheMemoryError, SharedCache, row_mask_problem
+from verifiers.cache import SharedCache
+from verifiers.memory import CacheMemoryError
+from verifiers.support import row_mask_problem
 from verifiers.verifier import main_stream
 
 PROPERTY = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -137,7 +140,7 @@ def test_without_per_row_masks_rows_run_one_at_a_time(monkeypatch):
         attention_mask=mask, drafter=PromptLookupDrafter(), max_new_tokens=12, do_sample=False, pad_token_id=0
     )
     batched = hybrid.generate(model, input_ids, **kwargs)
-    monkeypatch.setattr(cache_module, "MASKED_ATTENTION", ())
+    monkeypatch.setattr(support_module, "MASKED_ATTENTION", ())
     assert not Verifier(model).batches
     assert torch.equal(hybrid.generate(model, input_ids, **kwargs), batched)
 
@@ -146,15 +149,15 @@ def test_batch_that_does_not_fit_names_the_batch_that_does(monkeypatch):
     model = tiny_model("llama", 48, 2, seed=0)
     # No verify padded by a position (whose slot the capacity would add) on whatever table this machine cached.
     monkeypatch.setattr(importlib.import_module("hybrid.generate"), "cached_kernel_choice", lambda model: ({}, {}))
-    per_row = cache_module.bytes_per_row(model, capacity=5 + 20 + PromptLookupDrafter().max_draft_len + 1)
-    monkeypatch.setattr(cache_module, "free_memory_bytes", lambda device: 3 * per_row + 1)
+    per_row = memory_module.bytes_per_row(model, capacity=5 + 20 + PromptLookupDrafter().max_draft_len + 1)
+    monkeypatch.setattr(memory_module, "free_memory_bytes", lambda device: 3 * per_row + 1)
     prompts = torch.randint(1, 48, (5, 5))
     with pytest.raises(CacheMemoryError, match=r"batch of 5 rows.*pass at most 3 rows per call"):
         hybrid.generate(model, prompts, drafter=PromptLookupDrafter(), max_new_tokens=20, do_sample=False)
     assert hybrid.generate(
         model, prompts[:3], drafter=PromptLookupDrafter(), max_new_tokens=20, do_sample=False
     ).shape == (3, 25)
-    monkeypatch.setattr(cache_module, "free_memory_bytes", lambda device: per_row // 2)
+    monkeypatch.setattr(memory_module, "free_memory_bytes", lambda device: per_row // 2)
     with pytest.raises(CacheMemoryError, match=r"even one row does not fit; lower max_new_tokens"):
         hybrid.generate(model, prompts[:1], drafter=PromptLookupDrafter(), max_new_tokens=20, do_sample=False)
 

@@ -12,7 +12,7 @@ from strategies import random_block_drafter, tiny_model
 from transformers import CompileConfig
 
 import hybrid
-import verifiers.cache as cache_module
+import verifiers.support as support_module
 from drafters import PromptLookupDrafter
 from schedulers import FixedScheduler
 from verifiers.cache import SharedCache
@@ -53,7 +53,7 @@ def test_static_path_has_few_shapes_and_fixed_buffers():
 
 def test_static_path_needs_per_row_masks(monkeypatch):
     model = tiny_model("llama", 48, 2, seed=3)
-    monkeypatch.setattr(cache_module, "MASKED_ATTENTION", ())
+    monkeypatch.setattr(support_module, "MASKED_ATTENTION", ())
     with pytest.raises(ValueError, match=r"cache_implementation='static'.*attn_implementation='sdpa'"):
         hybrid.generate(model, torch.tensor([[1, 2, 3]]), drafter=None, max_new_tokens=2, cache_implementation="static")
 

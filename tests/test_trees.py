@@ -71,7 +71,7 @@ def test_a_tree_step_keeps_the_accepted_path_as_a_fresh_prefill_would():
     # pending 1; nodes: 0=5 (root), 1=6 (under 0), 2=8 (root), 3=2 (under 2), 4=11 (under 3)
     fed = torch.tensor([[1, 5, 6, 8, 2, 11]])
     logits = verifier.verify_rows(fed, parents=[[-1, 0, -1, 2, 3]])[0]
-    verifier.keep_rows([[0, 3, 4, 5]])  # the path pending -> 8 -> 2 -> 11
+    verifier.keep_accepted([[0, 3, 4, 5]])  # the path pending -> 8 -> 2 -> 11
     committed = torch.cat([prompt, torch.tensor([8, 2, 11])])
     assert verifier.length(0) == committed.shape[0]
     # the cache holds the sequence but its newest token: here one more to come

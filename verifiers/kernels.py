@@ -6,7 +6,7 @@ the one-row kernel does, and oneDNN's inner product on a copy of the weight reor
 ("packed"), which skips the per-call packing PyTorch's kernel does for a few rows. Which is fastest depends on the
 CPU, its BLAS and the row count: on one 2-core Xeon the weight-left form halves a verify of 2-8 rows and doubles it
 on another, where the packed form runs a verify of 7-15 rows 6-18% faster and one of 1-3 about 30% slower. So
-nothing here decides: `schedulers.cost_model` times a forward of every width with each kernel on the user's machine,
+nothing here decides: `verifiers.cost_table` times a forward of every width with each kernel on the user's machine,
 once, and caches the choice with the cost table; a `Verifier` runs each row count through the kernel measured
 fastest there (`chosen_kernels`) and leaves every other product to PyTorch. `force_kernel` pins one kernel for every
 row count (the cost probe measures each candidate through it, and tests run the losslessness properties under each).

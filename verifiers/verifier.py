@@ -3,8 +3,9 @@
 The cache (`verifiers.cache.SharedCache`) holds every committed token except the newest one (the
 "pending" token the verifier has just chosen and not yet run). A verify step feeds
 `[pending, d_1 .. d_k]` for every row, which yields the verifier's distribution after each of them;
-after acceptance, `rollback` forgets the rejected drafts by moving each row's length back. Nothing
-is recomputed.
+after acceptance, `keep_accepted` keeps each row's accepted tokens (a tree's path copied down to consecutive slots)
+and forgets the rejected drafts by moving the row's length back. Nothing is recomputed. Whether a model can be a
+verifier at all is `verifiers.support`'s to say, asked once as the Verifier is built.
 """
 
 from __future__ import annotations
@@ -12,218 +13,17 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from transformers import DynamicCache, GenerationMixin, PreTrainedModel
+from transformers import DynamicCache
 
-from verifiers.cache import (
-    SEVERAL_TOKENS,
-    SharedCache,
-    attention_pattern,
-    cache_feed_problem,
-    cache_feed_refusal,
-    cache_layer_sources,
-    keeps_recurrent_state,
-    learned_position_limit,
-    mask_problem,
-    masked_window_problem,
-    prompt_holes,
-    row_mask_problem,
-    slot_position_problem,
-    storing_layers,
-    tree_layout,
-)
+from verifiers.cache import SharedCache, holed_rows, tree_layout
+from verifiers.cache_layers import storing_layers
 from verifiers.kernels import chosen_kernels, cpu_linears, forget_changed_weights, prepare_linears
 from verifiers.positions import positions_room, rope_switches
+from verifiers.probes import LOGITS_DIFFER, relative_difference
 from verifiers.step_inputs import rereads
-from verifiers.verdicts import built_of_own_modules, least_precise_dtype, probe_tokens, probed
+from verifiers.support import check_masks, check_support, learned_position_limit
 
 STATIC_CAPACITY_STEP = 256  # static caches are sized in multiples of this many slots
-
-
-def adapted_model(model):
-    """`model`, or the causal LM inside a PEFT `PeftModel` whose adapters act within that model's layers (LoRA and
-    its kin), where `peft_model.generate` is that model's own `generate`, adapters included. Prompt-learning adapters
-    (prefix, prompt and p-tuning) feed tokens or cache of their own around the model, which a verify would not see:
-    refused by name. (Read by duck typing: PEFT is not a dependency.)"""
-    config = getattr(model, "active_peft_config", None)
-    if isinstance(model, PreTrainedModel) or config is None or not callable(getattr(model, "get_base_model", None)):
-        return model
-    if getattr(config, "is_prompt_learning", False):
-        raise TypeError(
-            f"{type(model).__name__} carries a prompt-learning adapter ({getattr(config, 'peft_type', '?')}), whose "
-            "virtual tokens a verify of the causal LM would not see: decode it with its own generate, or use an "
-            "adapter that acts within the model's layers (LoRA)"
-        )
-    return model.get_base_model()
-
-
-def check_causal_lm(model, role: str = "verifier") -> None:
-    """Raise a clear error unless `model` is a decoder-only Hugging Face LM that can generate."""
-    if isinstance(getattr(model, "_orig_mod", None), PreTrainedModel):  # torch.compile's wrapper
-        raise TypeError(
-            f"{role} is a torch.compile wrapper ({type(model).__name__}): pass the model itself (its _orig_mod); "
-            "hybrid compiles its own decoding step, as model.generate does, with cache_implementation='static' "
-            "(and compile_config to choose how)"
-        )
-    if not isinstance(model, PreTrainedModel) or not isinstance(model, GenerationMixin):
-        raise TypeError(
-            f"{role} must be a Hugging Face causal LM (a PreTrainedModel with generate), got {type(model).__name__}: "
-            "load it with AutoModelForCausalLM.from_pretrained(...)"
-        )
-    if model.config.is_encoder_decoder or not model.can_generate():
-        raise TypeError(
-            f"{type(model).__name__} is not a decoder-only causal LM: hybrid verifies with an "
-            "AutoModelForCausalLM (encoder-decoder and encoder-only models are not supported)"
-        )
-    if attends_ahead(model):
-        if getattr(model.config.get_text_config(), "is_decoder", None) is False:
-            raise TypeError(
-                f"{type(model).__name__} attends to the tokens after each position (its config has "
-                "is_decoder=False), so no forward of several tokens scores them as model.generate decodes them one "
-                "by one: load it with is_decoder=True"
-            )
-        raise TypeError(
-            f"{type(model).__name__}'s output at a position depends on the tokens after it in the same forward "
-            "(attention that looks ahead, or layers that mix a forward's tokens, as torch.ao's dynamic "
-            "quantization does by scaling them all by their common range, or bitsandbytes' LLM.int8 by taking "
-            "outlier columns wherever any token has them), so no forward of several tokens scores them as "
-            "model.generate decodes them one by one: use a causal LM whose layers compute each token from its own "
-            "row (quantize weights only, as 4-bit bitsandbytes does, or activations per token), or decode with "
-            "model.generate"
-        )
-    if scores_depend_on_width(model):
-        raise TypeError(
-            f"{type(model).__name__}'s scores for a token depend on how many tokens its forward feeds, past the "
-            "rounding of the dtype it computes in (as some int8 products of activations quantized on the fly do, "
-            "choosing kernels by shape), so no verify of several tokens reproduces model.generate's one-token "
-            "steps: quantize weights only, or decode with model.generate"
-        )
-
-
-def attends_ahead(model) -> bool:
-    """Whether `model`'s output at a position depends on tokens after it in the same forward, as a BERT-family LM
-    head's does when loaded without is_decoder=True, a model whose linears torch.ao quantized dynamically (one
-    activation scale for all of a forward's tokens) or bitsandbytes' LLM.int8 with outlier columns (taken wherever
-    any of a forward's tokens exceeds the threshold). Self-attention modules that all declare is_causal=True, in a
-    model built of torch's and transformers' own modules with plain parameters, settle it; otherwise forwards of
-    four tokens tell, once per kind of model (`verifiers.verdicts.probed`): the earlier outputs must not move when
-    the last token changes, nor when its input is one large feature."""
-    declared = [
-        module.is_causal
-        for module in model.modules()
-        if isinstance(getattr(module, "is_causal", None), bool)
-        and not getattr(module, "is_cross_attention", False)
-        and "cross" not in type(module).__name__.lower()
-    ]
-    if declared and all(declared) and built_of_own_modules(model):
-        return False
-    return probed(model, _changes_earlier_outputs, failed=False)
-
-
-def padding_changes_outputs(model) -> bool:
-    """Whether `model.generate`'s logits for a left-padded row differ from the same row's alone, as GIT's do (its
-    decoding steps widen a 2-D mask by its image tokens, moving a padded row's mask off its slots). hybrid decodes
-    each row as if it were alone, so it cannot follow such a model's padded rows. Told by two greedy `generate` calls
-    of two new tokens each (the prefill and a cached step), once per model."""
-    return probed(model, _padded_logits_differ, failed=False)
-
-
-def scores_depend_on_width(model) -> bool:
-    """Whether `model`'s scores for a token move with the number of tokens its forward feeds by more than the
-    rounding of the dtype it computes in, as torchao's and bitsandbytes' int8 products of activations quantized per
-    token do on a CPU: a prefill or a verify then scores other numbers than `generate`'s. A model built of torch's
-    and transformers' own modules with plain parameters rounds by width only as its dtype does; any other is told by
-    forwards of every prefix of 16 tokens against the whole, and cached forwards of 2 to 8 tokens against the same
-    tokens fed one by one, once per kind of model (`verifiers.verdicts.probed`)."""
-    return not built_of_own_modules(model) and probed(model, _width_changes_scores, failed=False)
-
-
-def settle_probes(model) -> None:
-    """Run now every probe a call may ask of `model` (each keeps its verdict, `verifiers.verdicts.probed`): a loader
-    calls it so that no first call pays for them."""
-    check_causal_lm(model)
-    padding_changes_outputs(model)
-    for width in (1, SEVERAL_TOKENS):
-        cache_feed_problem(model, width)
-
-
-def _relative_difference(reference: torch.Tensor, other: torch.Tensor) -> float:
-    """How far `other` is from `reference`, as a share of the largest magnitude in `reference` (float32)."""
-    reference, other = reference.float(), other.float()
-    return float((other - reference).abs().max() / reference.abs().max())
-
-
-_LOGITS_DIFFER = 1e-3  # a relative difference of logits past float noise: the model computed something else
-
-
-def _changes_earlier_outputs(model) -> bool:
-    tokens, other = probe_tokens(model, 4)
-    changed = tokens.clone()
-    changed[0, -1] = other
-    before = model(tokens, use_cache=False).logits[0, :-1]
-    after = model(changed, use_cache=False).logits[0, :-1]
-    if _relative_difference(before, after) > _LOGITS_DIFFER:
-        return True
-    # A range taken over the whole forward (LLM.int8's outlier columns, a per-tensor activation scale) may not move
-    # with another token of the vocabulary, and moves with one large feature, which normalization keeps large.
-    embeds = model.get_input_embeddings()(tokens)
-    spiked = embeds.clone()
-    spiked[0, -1] = 0
-    spiked[0, -1, embeds.shape[-1] // 2] = 10 * embeds.abs().max()
-    try:
-        before = model(inputs_embeds=embeds, use_cache=False).logits[0, :-1]
-    except (TypeError, ValueError):  # a model that takes token ids only: the tokens told what they can
-        return False
-    after = model(inputs_embeds=spiked, use_cache=False).logits[0, :-1]
-    return _relative_difference(before, after) > _LOGITS_DIFFER
-
-
-def _width_changes_scores(model) -> bool:
-    tokens, _ = probe_tokens(model, 16)
-    limit = max(_LOGITS_DIFFER, 8 * torch.finfo(least_precise_dtype(model)).eps)  # several rounding steps
-
-    def differs(reference: torch.Tensor, other: torch.Tensor) -> bool:
-        return _relative_difference(reference, other) > limit
-
-    # A prefill: each prefix against the whole (some kernels change at a particular width, not at every one)
-    whole = model(tokens, use_cache=False).logits[0]
-    if any(differs(whole[:n], model(tokens[:, :n], use_cache=False).logits[0]) for n in range(1, 16)):
-        return True
-
-    # A verify: tokens fed together on top of a cache against the same fed one by one, as `generate` decodes
-    def prefilled() -> DynamicCache:
-        cache = DynamicCache(config=model.config)
-        model(tokens[:, :2], cache=cache, use_cache=True)
-        return cache
-
-    cache = prefilled()
-    one_by_one = torch.cat([model(tokens[:, i : i + 1], cache=cache, use_cache=True).logits[0] for i in range(2, 10)])
-    together = (model(tokens[:, 2 : 2 + n], cache=prefilled(), use_cache=True).logits[0] for n in range(2, 9))
-    return any(differs(one_by_one[: len(scores)], scores) for scores in together)
-
-
-def _padded_logits_differ(model) -> bool:
-    tokens, pad = probe_tokens(model, 3)
-    padded = torch.cat([tokens.new_full((1, 2), pad), tokens], dim=1)
-    settings = dict(
-        max_new_tokens=2,
-        do_sample=False,
-        num_beams=1,
-        pad_token_id=pad,
-        output_logits=True,
-        return_dict_in_generate=True,
-        disable_compile=True,  # a probe of four tiny forwards: compiling them would cost more than it saves
-    )
-    generate = type(model).generate  # transformers' own, even where hybrid stands in for the instance's
-    alone = generate(model, tokens, attention_mask=torch.ones_like(tokens), **settings).logits
-    mask = torch.ones_like(padded)
-    mask[0, :2] = 0
-    beside = generate(model, padded, attention_mask=mask, **settings).logits
-    return any(_relative_difference(a, b) > _LOGITS_DIFFER for a, b in zip(alone, beside))
-
-
-def _holed_rows(masks: list[torch.Tensor | None]) -> list[int]:
-    """The rows whose prompt mask masks a token after the row's first unmasked one."""
-    return [b for b, mask in enumerate(masks) if mask is not None and bool(prompt_holes(mask)[-1])]
 
 
 class Verifier:
@@ -244,9 +44,9 @@ class Verifier:
             the prompt's, so compiling it would re-trace per prompt.
         row_kernels: row count (fed tokens x rows) -> the kernel its plain float32 CPU linear products run, where
             the machine's cost table measured one faster than PyTorch's (`verifiers.kernels`,
-            `schedulers.cost_model.cached_kernel_choice`); every other product runs PyTorch's own kernel.
-        forward_costs: the machine's measured seconds of a forward feeding n tokens (`schedulers.cost_model
-            .forward_costs`; empty: none cached). An eager verify is padded by one position per row where that
+            `verifiers.cost_table.cached_kernel_choice`); every other product runs PyTorch's own kernel.
+        forward_costs: the machine's measured seconds of a forward feeding n tokens (`verifiers.cost_table
+            .cached_kernel_choice`; empty: none cached). An eager verify is padded by one position per row where that
             forward costs PAD_MARGIN less (on some CPUs a weight-left product of 2 rows beats PyTorch's of 1).
     """
 
@@ -261,38 +61,17 @@ class Verifier:
         row_kernels: dict[int, str] | None = None,
         forward_costs: dict[int, float] | None = None,
     ):
-        check_causal_lm(model, role)
-        text = model.config.get_text_config()
-        num_states = text.num_hidden_layers + 1
-        bad = [i for i in hidden_layers if not -num_states <= i < num_states]
-        if bad:
-            raise ValueError(f"hidden_layers {bad} out of range for a model with {num_states - 1} layers")
-        if keeps_recurrent_state(model):
-            raise ValueError(
-                f"{type(model).__name__} keeps state that cannot be rolled back by cropping "
-                "(linear attention / recurrent layers): speculative decoding needs a croppable KV cache"
-            )
-        attention_pattern(text)  # raises for attention kinds the cache cannot serve
-        cache_layer_sources(text)  # raises for a looped model whose loops read the cache past Cache.update
-        # A verifier fed one token per forward (drafter=None) runs what `generate` runs; anything wider needs a mask.
-        several = role != "verifier" or max_width > 1
-        problem = mask_problem(text)
-        if problem and several:
-            fix = "pass drafter=None (one token per forward, as model.generate)" if role == "verifier" else ""
-            raise ValueError(
-                f"{type(model).__name__} cannot be a {role} that scores several tokens per forward: {problem}"
-                + (f", or {fix}" if fix else "")
-            )
-        refusal = cache_feed_refusal(model, several, role)
-        if refusal:
-            raise ValueError(refusal)
+        # Raises, naming the fix, for a model that cannot serve so; a model that takes no per-row masks (the reason
+        # kept here) runs one row per forward, chains only.
+        self.row_mask_problem = check_support(
+            model, role=role, max_width=max_width, static=static, hidden_layers=hidden_layers
+        )
+        self.batches = self.row_mask_problem is None
         self.model = model
         self.hidden_layers = tuple(hidden_layers)
+        text = model.config.get_text_config()
         self.hidden_width = len(self.hidden_layers) * text.hidden_size if self.hidden_layers else 0
         self._supports_logits_to_keep = model._supports_logits_to_keep()
-        # Rows of different lengths need per-row masks; a model that cannot take them runs one row per forward.
-        self.row_mask_problem = row_mask_problem(model)
-        self.batches = self.row_mask_problem is None
         # A learned position table ends; past it `generate` fails too, so `hybrid.generate` refuses such a call up
         # front and a real token's position is never clamped here.
         self.max_positions = learned_position_limit(model)
@@ -301,12 +80,6 @@ class Verifier:
         self.rope_switches = rope_switches(model)
         # Positions at which the model's `generate` drops its cache and re-reads the sequence (`plan_rereads`).
         self.rereads: list[int] = []
-        if static and self.row_mask_problem:
-            raise ValueError(
-                f"cache_implementation='static' reads the cache through hybrid's own per-row masks, and "
-                f"{type(model).__name__} cannot take them: {self.row_mask_problem}. Drop cache_implementation "
-                "(the dynamic path serves this model)"
-            )
         self.static = static
         self.max_width = max_width
         self.compile_config = compile_config
@@ -354,42 +127,6 @@ class Verifier:
 
     # -- a batch of rows ------------------------------------------------------------------------------
 
-    def check_masks(self, masks: list[torch.Tensor | None]) -> None:
-        """Raise unless this model can honour every prompt mask (1-D, 0 = masked; None: none) as `generate` does:
-        `generate` counts a masked token as a position where the model's forward takes no position_ids
-        (`verifiers.cache.slot_position_problem`), and a masked token after a row's first unmasked one in attention
-        windows that some models apply themselves (`verifiers.cache.masked_window_problem`); and some models'
-        `generate` lets a padded row's output depend on its padding (`padding_changes_outputs`)."""
-        masked = [b for b, mask in enumerate(masks) if mask is not None and not bool(mask.all())]
-        problem = slot_position_problem(self.model) if masked else None
-        if problem is not None:
-            raise ValueError(
-                f"attention_mask masks tokens of row {masked[0]}, and {type(self.model).__name__} cannot be told "
-                f"where a row's tokens sit ({problem}): model.generate counts the masked tokens as positions of that "
-                "row, while hybrid places a row's tokens as if it were alone. Pass prompts without padding (one "
-                "call per row), or decode them with model.generate"
-            )
-        if masked and padding_changes_outputs(self.model):
-            raise ValueError(
-                f"attention_mask masks tokens of row {masked[0]}, and model.generate's output for a padded row of "
-                f"{type(self.model).__name__} depends on its padding (its logits for a left-padded row differ from "
-                "the row's alone), while hybrid decodes a row as if it were alone. Pass prompts without padding (one "
-                "call per row), or decode them with model.generate"
-            )
-        holed = _holed_rows(masks)
-        if not holed:
-            return
-        problem = masked_window_problem(self.model)
-        if problem is not None:
-            mask = masks[holed[0]]
-            first = int(mask.nonzero()[0, 0])
-            hole = first + int((mask[first:] == 0).nonzero()[0, 0])
-            raise ValueError(
-                f"attention_mask masks position {hole} of row {holed[0]}, after the row's first token, and "
-                f"{type(self.model).__name__} cannot count it in its attention as model.generate does "
-                f"({problem}): mask only leading (left-padding) tokens, or decode this prompt with model.generate"
-            )
-
     @torch.inference_mode()
     def prefill_rows(
         self, rows: list[torch.Tensor], capacity: int, masks: list[torch.Tensor | None] | None = None
@@ -405,11 +142,11 @@ class Verifier:
                 f"{type(self.model).__name__} takes no per-row masks ({self.row_mask_problem}): verify one row per call"
             )
         masks = [None] * len(rows) if masks is None else masks
-        self.check_masks(masks)
+        check_masks(self.model, masks)
         if self.static:  # calls of similar length share a capacity, hence their compiled graphs
             capacity = -(-capacity // STATIC_CAPACITY_STEP) * STATIC_CAPACITY_STEP
         logits = self._prefill(rows, capacity, masks, own_mask=False)
-        holed = _holed_rows(masks)
+        holed = holed_rows(masks)
         if holed and self.cache.holes is not None:
             logits = self._prefill_as_generate(rows, capacity, masks, holed, logits)
         return logits
@@ -463,12 +200,12 @@ class Verifier:
             reference.append(out.logits[0, -1].float())
         reference = torch.stack(reference)
 
-        windowed = _relative_difference(reference, logits[holed])
-        if windowed <= _LOGITS_DIFFER:
+        windowed = relative_difference(reference, logits[holed])
+        if windowed <= LOGITS_DIFFER:
             return logits
         windowed_cache = self.cache
         own = self._prefill(rows, capacity, masks, own_mask=True)
-        if _relative_difference(reference, own[holed]) < windowed:
+        if relative_difference(reference, own[holed]) < windowed:
             return own
         self.cache = windowed_cache
         return logits
@@ -526,8 +263,9 @@ class Verifier:
         self.cache.rollback(drop)
 
     @torch.inference_mode()
-    def keep_rows(self, kept: list[list[int]]) -> None:
-        """After a verify, row b keeps the fed tokens kept[b] (increasing offsets): a tree's accepted path."""
+    def keep_accepted(self, kept: list[list[int]]) -> None:
+        """After a verify, row b keeps its fed tokens kept[b] (increasing offsets into that verify: the pending token
+        and the accepted drafts, a tree's accepted path) and forgets the rest (`SharedCache.keep`)."""
         self.cache.keep(kept)
 
     def select_rows(self, rows: list[int]) -> None:
@@ -597,15 +335,8 @@ class Verifier:
         return self.verify_rows(tokens)[0]
 
     def rollback(self, num_tokens: int) -> None:
+        """Forget the last `num_tokens` cached tokens (rejected drafts)."""
         self.rollback_rows([num_tokens])
-
-    @property
-    def num_cached(self) -> int:
-        return self.length(0)
-
-    @property
-    def next_position(self) -> int:
-        return self.length(0)
 
     # -- the forward --------------------------------------------------------------------------------------
 

@@ -115,8 +115,8 @@ def warm_up(model, processor=None) -> None:
     model's process before the server answers /health."""
     from hybrid.export import served_drafter
     from schedulers.cost_aware import default_scheduler
-    from schedulers.cost_model import prepare_kernels
-    from verifiers.verifier import settle_probes
+    from verifiers.cost_table import prepare_kernels
+    from verifiers.support import settle_probes
 
     drafter = cached_drafter(model, served_drafter(model.name_or_path))
     if drafter is not None:

@@ -1,0 +1,361 @@
+"""Whether a model can be served, and why not: every refusal names the model's trait and the fix.
+
+hybrid reproduces `model.generate` only for a model whose forward it can feed as it does: a decoder-only LM, one
+token's outputs computed from its own row and the ones before it, keys and values kept in the transformers Cache it
+is passed and rolled back by moving a length, positions told by `position_ids`, and, for rows of different lengths,
+trees and the static layout, attention through the masks hybrid builds. `check_support` asks all of it once, when a
+`Verifier` is built; `check_masks` asks what a prompt's masked tokens need. Most answers are read from the config and
+the modules; the rest are told by tiny forwards (`verifiers.probes`).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+
+from verifiers.cache import holed_rows
+from verifiers.cache_layers import attention_pattern, cache_fingerprint, cache_layer_sources
+from verifiers.probes import attends_ahead, cache_feed_problem, padding_changes_outputs, scores_depend_on_width
+
+# Attention implementations that take the cache's 4D additive masks (`SharedCache.attention_mask`). Others
+# (flash_attention_2) build their own causal mask, which is right only when every row has the same length.
+MASKED_ATTENTION = ("eager", "sdpa")
+# The width `cache_feed_problem` probes for a forward of several tokens: the pending token and two drafts.
+SEVERAL_TOKENS = 3
+
+
+def check_support(
+    model, role: str = "verifier", max_width: int = 1, static: bool = False, hidden_layers: tuple[int, ...] = ()
+) -> str | None:
+    """Raise, naming the fix, unless `model` can serve as `role` ("verifier" or "drafter") with forwards of up to
+    `max_width` tokens, in the static layout where `static`, keeping the hidden states of `hidden_layers`.
+
+    Returns why the model cannot take per-row masks (`row_mask_problem`; None if it can): it then decodes one row per
+    forward, chains only."""
+    check_causal_lm(model, role)
+    text = model.config.get_text_config()
+    num_states = text.num_hidden_layers + 1
+    bad = [i for i in hidden_layers if not -num_states <= i < num_states]
+    if bad:
+        raise ValueError(f"hidden_layers {bad} out of range for a model with {num_states - 1} layers")
+    if keeps_recurrent_state(model):
+        raise ValueError(
+            f"{type(model).__name__} keeps state that cannot be rolled back by cropping "
+            "(linear attention / recurrent layers): speculative decoding needs a croppable KV cache"
+        )
+    attention_pattern(text)  # raises for attention kinds the cache cannot serve
+    cache_layer_sources(text)  # raises for a looped model whose loops read the cache past Cache.update
+    # A verifier fed one token per forward (drafter=None) runs what `generate` runs; anything wider needs a mask.
+    several = role != "verifier" or max_width > 1
+    problem = mask_problem(text)
+    if problem and several:
+        fix = "pass drafter=None (one token per forward, as model.generate)" if role == "verifier" else ""
+        raise ValueError(
+            f"{type(model).__name__} cannot be a {role} that scores several tokens per forward: {problem}"
+            + (f", or {fix}" if fix else "")
+        )
+    refusal = cache_feed_refusal(model, several, role)
+    if refusal:
+        raise ValueError(refusal)
+    # Rows of different lengths need per-row masks; a model that cannot take them runs one row per forward.
+    problem = row_mask_problem(model)
+    if static and problem:
+        raise ValueError(
+            f"cache_implementation='static' reads the cache through hybrid's own per-row masks, and "
+            f"{type(model).__name__} cannot take them: {problem}. Drop cache_implementation "
+            "(the dynamic path serves this model)"
+        )
+    return problem
+
+
+def check_masks(model, masks: list[torch.Tensor | None]) -> None:
+    """Raise unless `model` can honour every prompt mask (1-D, 0 = masked; None: none) as `generate` does:
+    `generate` counts a masked token as a position where the model's forward takes no position_ids
+    (`slot_position_problem`), and a masked token after a row's first unmasked one in attention windows that some
+    models apply themselves (`masked_window_problem`); and some models' `generate` lets a padded row's output depend
+    on its padding (`verifiers.probes.padding_changes_outputs`)."""
+    masked = [b for b, mask in enumerate(masks) if mask is not None and not bool(mask.all())]
+    problem = slot_position_problem(model) if masked else None
+    if problem is not None:
+        raise ValueError(
+            f"attention_mask masks tokens of row {masked[0]}, and {type(model).__name__} cannot be told "
+            f"where a row's tokens sit ({problem}): model.generate counts the masked tokens as positions of that "
+            "row, while hybrid places a row's tokens as if it were alone. Pass prompts without padding (one "
+            "call per row), or decode them with model.generate"
+        )
+    if masked and padding_changes_outputs(model):
+        raise ValueError(
+            f"attention_mask masks tokens of row {masked[0]}, and model.generate's output for a padded row of "
+            f"{type(model).__name__} depends on its padding (its logits for a left-padded row differ from "
+            "the row's alone), while hybrid decodes a row as if it were alone. Pass prompts without padding (one "
+            "call per row), or decode them with model.generate"
+        )
+    holed = holed_rows(masks)
+    if not holed:
+        return
+    problem = masked_window_problem(model)
+    if problem is not None:
+        mask = masks[holed[0]]
+        first = int(mask.nonzero()[0, 0])
+        hole = first + int((mask[first:] == 0).nonzero()[0, 0])
+        raise ValueError(
+            f"attention_mask masks position {hole} of row {holed[0]}, after the row's first token, and "
+            f"{type(model).__name__} cannot count it in its attention as model.generate does "
+            f"({problem}): mask only leading (left-padding) tokens, or decode this prompt with model.generate"
+        )
+
+
+def settle_probes(model) -> None:
+    """Run now every probe a call may ask of `model` (each keeps its verdict, `verifiers.verdicts.probed`): a loader
+    calls it so that no first call pays for them."""
+    check_causal_lm(model)
+    padding_changes_outputs(model)
+    for width in (1, SEVERAL_TOKENS):
+        cache_feed_problem(model, width)
+
+
+def adapted_model(model):
+    """`model`, or the causal LM inside a PEFT `PeftModel` whose adapters act within that model's layers (LoRA and
+    its kin), where `peft_model.generate` is that model's own `generate`, adapters included. Prompt-learning adapters
+    (prefix, prompt and p-tuning) feed tokens or cache of their own around the model, which a verify would not see:
+    refused by name. (Read by duck typing: PEFT is not a dependency.)"""
+    config = getattr(model, "active_peft_config", None)
+    if isinstance(model, PreTrainedModel) or config is None or not callable(getattr(model, "get_base_model", None)):
+        return model
+    if getattr(config, "is_prompt_learning", False):
+        raise TypeError(
+            f"{type(model).__name__} carries a prompt-learning adapter ({getattr(config, 'peft_type', '?')}), whose "
+            "virtual tokens a verify of the causal LM would not see: decode it with its own generate, or use an "
+            "adapter that acts within the model's layers (LoRA)"
+        )
+    return model.get_base_model()
+
+
+def check_causal_lm(model, role: str = "verifier") -> None:
+    """Raise a clear error unless `model` is a decoder-only Hugging Face LM that can generate."""
+    if isinstance(getattr(model, "_orig_mod", None), PreTrainedModel):  # torch.compile's wrapper
+        raise TypeError(
+            f"{role} is a torch.compile wrapper ({type(model).__name__}): pass the model itself (its _orig_mod); "
+            "hybrid compiles its own decoding step, as model.generate does, with cache_implementation='static' "
+            "(and compile_config to choose how)"
+        )
+    if not isinstance(model, PreTrainedModel) or not isinstance(model, GenerationMixin):
+        raise TypeError(
+            f"{role} must be a Hugging Face causal LM (a PreTrainedModel with generate), got {type(model).__name__}: "
+            "load it with AutoModelForCausalLM.from_pretrained(...)"
+        )
+    if model.config.is_encoder_decoder or not model.can_generate():
+        raise TypeError(
+            f"{type(model).__name__} is not a decoder-only causal LM: hybrid verifies with an "
+            "AutoModelForCausalLM (encoder-decoder and encoder-only models are not supported)"
+        )
+    if attends_ahead(model):
+        if getattr(model.config.get_text_config(), "is_decoder", None) is False:
+            raise TypeError(
+                f"{type(model).__name__} attends to the tokens after each position (its config has "
+                "is_decoder=False), so no forward of several tokens scores them as model.generate decodes them one "
+                "by one: load it with is_decoder=True"
+            )
+        raise TypeError(
+            f"{type(model).__name__}'s output at a position depends on the tokens after it in the same forward "
+            "(attention that looks ahead, or layers that mix a forward's tokens, as torch.ao's dynamic "
+            "quantization does by scaling them all by their common range, or bitsandbytes' LLM.int8 by taking "
+            "outlier columns wherever any token has them), so no forward of several tokens scores them as "
+            "model.generate decodes them one by one: use a causal LM whose layers compute each token from its own "
+            "row (quantize weights only, as 4-bit bitsandbytes does, or activations per token), or decode with "
+            "model.generate"
+        )
+    if scores_depend_on_width(model):
+        raise TypeError(
+            f"{type(model).__name__}'s scores for a token depend on how many tokens its forward feeds, past the "
+            "rounding of the dtype it computes in (as some int8 products of activations quantized on the fly do, "
+            "choosing kernels by shape), so no verify of several tokens reproduces model.generate's one-token "
+            "steps: quantize weights only, or decode with model.generate"
+        )
+
+
+# Recurrent models whose config names no layer types: the names transformers' own generate checks
+# (`_supports_default_dynamic_cache`); from 5.25 no model sets `_is_stateful`.
+_RECURRENT_NAMES = ("rwkv", "xlstm")
+
+
+def keeps_recurrent_state(model) -> bool:
+    """Whether `model` keeps state that cropping cannot roll back: a stateful model (Mamba, RWKV, xLSTM), or
+    linear-attention / Mamba / recurrent layers among its layer types."""
+    types = getattr(model.config.get_text_config(), "layer_types", None) or []
+    return (
+        getattr(model, "_is_stateful", False)  # transformers < 5.25
+        or any("linear" in t or "mamba" in t or "recurrent" in t for t in types)
+        or any(name in type(model).__name__.lower() for name in _RECURRENT_NAMES)
+    )
+
+
+def mask_problem(text_config) -> str | None:
+    """Why the model's attention fails on any forward that takes a mask (None if it does not): then only unmasked
+    forwards run, a prefill and one token at a time, as `model.generate` runs it at batch 1.
+
+    Multi-head latent attention expands its cached latent to num_attention_heads heads and then repeats them
+    num_attention_heads // num_key_value_heads times more, which fits the queries only when the two head counts are
+    equal (as in every released checkpoint); without a mask, SDPA's grouped-query kernel takes the heads as they are."""
+    # Read with getattr: BLT's config keeps its head counts in sub-configs, none at the top.
+    heads = getattr(text_config, "num_attention_heads", None)
+    kv_heads = getattr(text_config, "num_key_value_heads", None)
+    if getattr(text_config, "kv_lora_rank", None) and heads and kv_heads and kv_heads != heads:
+        return (
+            f"its config has num_key_value_heads={kv_heads} but its latent attention (kv_lora_rank) expands keys and "
+            f"values to num_attention_heads={heads} heads, which transformers' attention repeats "
+            f"{heads // kv_heads}x more on every forward with a mask (a verify of drafted tokens, rows of different "
+            f"lengths): set num_key_value_heads={heads}"
+        )
+    return None
+
+
+def row_mask_problem(model) -> str | None:
+    """Why `model` cannot take the per-row 4-D masks the cache builds (None if it can).
+
+    Rows of different lengths and the static layout put a query somewhere other than the last slots the cache
+    returns, so the model must attend through the mask it is given and add nothing position-dependent of its own.
+    """
+    text = model.config.get_text_config()
+    problem = mask_problem(text)
+    if problem:
+        return problem
+    implementation = model.config._attn_implementation
+    if implementation not in MASKED_ATTENTION:
+        return f"attn_implementation={implementation!r} builds its own causal mask (load it with attn_implementation='sdpa')"
+    if uses_alibi(text):
+        return "its ALiBi position bias is built from a 2-D padding mask, which cannot say where each row's queries sit"
+    problem = slot_position_problem(model)
+    if problem:
+        return f"{problem}, which is wrong for rows that end elsewhere and for a token tree's branches"
+    for name, _ in own_causal_masks(model):
+        return (
+            f"its attention ({name}) applies a causal/local mask of its own, indexed from the last cached slot, "
+            "which is wrong for rows that end elsewhere"
+        )
+    return None
+
+
+def uses_alibi(text_config) -> bool:
+    """Whether the model positions tokens by an ALiBi bias: Bloom's always, Falcon's with alibi=True, MPT's with
+    attn_config.alibi."""
+    attn_config = getattr(text_config, "attn_config", None)
+    return (
+        text_config.model_type == "bloom"
+        or getattr(text_config, "alibi", False)
+        or getattr(attn_config, "alibi", False)
+    )
+
+
+def slot_position_problem(model) -> str | None:
+    """Why `model` places each fed token at the position after its cache's slots rather than where it is told (None
+    if it does not): its forward takes no position_ids (BART-family and TrOCR decoders, RoFormer). `generate` then
+    counts a padded row's padding as positions, as `generate` passes position_ids only to a forward that takes them.
+    ALiBi models (Bloom, Falcon, MPT) place nothing: their bias is relative, and `row_mask_problem` and
+    `masked_window_problem` say what they cannot take."""
+    if uses_alibi(model.config.get_text_config()):
+        return None
+    if "position_ids" in inspect.signature(model.forward).parameters:
+        return None
+    return "its forward takes no position_ids and places fed tokens after its cache's slots"
+
+
+def own_causal_masks(model) -> list[tuple[str, torch.Tensor]]:
+    """(module name, mask) of every attention that applies a causal mask of its own: a 4-D bool buffer `bias`
+    (GPT-Neo's, where a local layer's mask is banded)."""
+    masks = []
+    for name, module in model.named_modules():
+        bias = getattr(module, "bias", None)
+        if (
+            isinstance(bias, torch.Tensor)
+            and not isinstance(bias, nn.Parameter)
+            and bias.dtype == torch.bool
+            and bias.dim() == 4
+        ):
+            masks.append((name, bias))
+    return masks
+
+
+def masked_window_problem(model) -> str | None:
+    """Why `model` cannot measure its attention windows or position bias over masked prompt tokens as `generate`
+    does (None if it can): a window or bias the model applies itself counts the cache slots hybrid holds, which
+    leave masked tokens out."""
+    text = model.config.get_text_config()
+    types, _ = attention_pattern(text)
+    if getattr(getattr(text, "attn_config", None), "alibi", False):
+        # MPT's ALiBi is an arange over the key slots; Bloom's and Falcon's count only unmasked tokens (cumsum).
+        return "its ALiBi bias counts key slots, so a masked slot between two tokens changes their distance"
+    problem = row_mask_problem(model)
+    if "sliding_attention" in types and problem is not None:
+        return f"its sliding-window layers cannot take hybrid's masks: {problem}"
+    for name, bias in own_causal_masks(model):
+        if not bool(bias[..., -1, :].all()):  # a causal mask's last query sees every key; a local one does not
+            return f"its attention ({name}) applies a local window of its own, over the slots hybrid's cache holds"
+    return None
+
+
+def cache_feed_refusal(model, several: bool, role: str = "verifier") -> str | None:
+    """Why `model` cannot serve as `role` by feeding its cache `several` tokens a forward (a verify, a drafter's
+    catch-up) or one (a verifier without drafts, as `generate`), as a refusal naming the fix; None if it can."""
+    problem = cache_feed_problem(model, SEVERAL_TOKENS if several else 1)
+    if problem is None:
+        return None
+    if several and role == "verifier" and cache_feed_problem(model, 1) is None:
+        return (
+            f"{type(model).__name__} cannot verify drafted tokens, which a verify feeds (the pending token and its "
+            f"drafts) in one forward on top of the cache: {problem}. Pass drafter=None (one token per forward, as "
+            "model.generate decodes), or decode with model.generate"
+        )
+    return (
+        f"{type(model).__name__} cannot be a {role}, whose forward must take each step's new tokens on top of the "
+        f"cache of the ones before: {problem}. Decode it with model.generate"
+    )
+
+
+def learned_position_limit(model) -> int | None:
+    """Positions the model can embed when it has a learned position table for its text (GPT-2's wpe, OPT's
+    embed_positions), else None: rotary and ALiBi models have no table and, like `model.generate`, run past
+    max_position_embeddings."""
+    context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    tokens = model.get_input_embeddings()
+    # An image or audio encoder inside the model (GIT's, Phi-4-multimodal's) has a table of its own patches' or
+    # frames' positions, which no text token is placed by.
+    towers = [
+        name + "."
+        for name, module in model.named_modules()
+        if name and isinstance(module, PreTrainedModel) and all(m is not tokens for m in module.modules())
+    ]
+    sizes = []
+    for name, module in model.named_modules():
+        if name.startswith(tuple(towers)):
+            continue
+        if isinstance(module, nn.Embedding) and module is not tokens:
+            size = module.num_embeddings - getattr(module, "offset", 0)  # OPT keeps two extra rows
+            if size == context or "pos" in name.rsplit(".", 1)[-1]:
+                sizes.append(size)
+    return min(sizes) if sizes else None
+
+
+def foreign_cache_reason(model, cache) -> str | None:
+    """Why `cache` (a transformers Cache) cannot have been built for `model`, or None if its shapes fit."""
+    want = cache_fingerprint(model)
+    name, shapes = want["architecture"], want["layers"]
+    layers = getattr(cache, "layers", [])
+    if layers and len(layers) != len(shapes):
+        return f"it has {len(layers)} layers, {name} has {len(shapes)}"
+    for i, (layer, shape) in enumerate(zip(layers, shapes)):
+        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+        if isinstance(keys, torch.Tensor) and isinstance(values, torch.Tensor) and keys.dim() == 4 and keys.numel():
+            held = (keys.shape[1], keys.shape[-1], values.shape[-1])
+            if held != shape:
+                return f"its layer {i} holds {_heads(*held)}, {name} has {_heads(*shape)}"
+    return None
+
+
+def _heads(heads: int, key_width: int, value_width: int) -> str:
+    if key_width == value_width:
+        return f"{heads} key/value heads of size {key_width}"
+    return f"{heads} key/value heads of key size {key_width} and value size {value_width}"
