@@ -1,8 +1,9 @@
-"""The decoding loop: draft -> schedule -> verify the draft's nodes in one forward -> accept -> keep the path.
+"""The decoding loop: plan -> draft -> choose -> verify the draft's nodes in one forward -> accept -> rewind -> observe.
 
 Reads top to bottom like the data path. Arguments arrive already validated by `hybrid.generate`. A draft is a
 chain or a token tree; the verifier scores every node at once, the acceptance rule walks from the pending token
-into the child equal to the verifier's choice, and the cache keeps the walked path (`SharedCache.keep`). No
+into the child equal to the verifier's choice (`hybrid.acceptance.walk`), and the cache rewinds to the walked path
+(`Verifier.keep_accepted`). No
 drafter is `NoDrafter`, which proposes nothing: plain decoding is the same loop.
 A batch is one forward per step over every unfinished row: each row drafts, is verified and accepts
 on its own (rows accept different numbers of tokens; the cache keeps one length per row), exactly as
