@@ -22,7 +22,7 @@ from strategies import (
 
 import hybrid
 from drafters import ModelDrafter, PromptLookupDrafter
-from hybrid import engine
+from hybrid import acceptance
 from hybrid.acceptance import acceptance_probability, residual_distribution, speculative_step
 from hybrid.testing import check_sampled_identical, chi_square_critical, chi_square_statistic, sequence_distribution
 from schedulers import ConfidenceScheduler, CostAwareScheduler, FixedScheduler, HeuristicScheduler
@@ -265,13 +265,13 @@ def test_the_sampled_check_finds_a_draw_its_distribution_does_not_explain(monkey
     """A hybrid whose draws run one variate behind `generate`'s diverges where the two distributions agree to the
     last bits: replaying `generate`'s draw, the check finds that hybrid's own distribution gives another token."""
     model = tiny_model("llama", 64, 2, seed=0)
-    real = engine.sample
+    real = acceptance.sample
 
     def late(probs, generator):
         torch.rand((), generator=generator)  # a variate `generate` does not draw
         return real(probs, generator)
 
-    monkeypatch.setattr(engine, "sample", late)
+    monkeypatch.setattr(acceptance, "sample", late)
     ids = torch.tensor([[1, 2, 3, 1, 2, 3, 1, 2]])
     with pytest.raises(AssertionError, match="not a boundary draw"):
         check_sampled_identical(model, ids, PromptLookupDrafter(), 0, max_new_tokens=20, temperature=1.0)
