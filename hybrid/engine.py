@@ -3,8 +3,7 @@
 Reads top to bottom like the data path. Arguments arrive already validated by `hybrid.generate`. A draft is a
 chain or a token tree; the verifier scores every node at once, the acceptance rule walks from the pending token
 into the child equal to the verifier's choice (`hybrid.acceptance.walk`), and the cache rewinds to the walked path
-(`Verifier.keep_accepted`). No
-drafter is `NoDrafter`, which proposes nothing: plain decoding is the same loop.
+(`Verifier.keep_accepted`). No drafter is `NoDrafter`, which proposes nothing: plain decoding is the same loop.
 A batch is one forward per step over every unfinished row: each row drafts, is verified and accepts
 on its own (rows accept different numbers of tokens; the cache keeps one length per row), exactly as
 it would alone; rows that finish leave the batch. Where `generate` pads a stopped row (it has an EOS criterion), a
@@ -48,9 +47,8 @@ class DecodeSettings:
     # A row finishes when its stopping criteria fire (`generate` pads it: it has an EOS criterion); False: every row
     # decodes on to the length at which the last row's criteria fired.
     pad_stopped: bool = True
-    decoding: dict | None = (
-        None  # how the verifier's tokens are chosen, as the scheduler is told it (`Scheduler.start`)
-    )
+    # How the verifier's tokens are chosen, as the scheduler is told it (`Scheduler.start`).
+    decoding: dict | None = None
 
 
 @dataclass
