@@ -193,7 +193,10 @@ OVERRIDES = {
     "phimoe": dict(
         original_max_position_embeddings=64, rope_parameters=dict(_LONGROPE, short_mscale=1.0, long_mscale=1.2)
     ),
-    "lfm2_moe": dict(layer_types=["full_attention", "full_attention"], num_dense_layers=1),
+    # One short-conv layer (a conv state) and one attention layer: lfm2's defaults are all attention (full_attn_idxs
+    # every layer), lfm2_moe's have no layer_types at all
+    "lfm2": dict(layer_types=["conv", "full_attention"], full_attn_idxs=[1]),
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1),
     "longcat_flash": dict(
         qk_head_dim=16, ffn_hidden_size=64, expert_ffn_hidden_size=32, zero_expert_num=2, moe_topk=2, num_layers=1
     ),

@@ -259,6 +259,163 @@ ARCHITECTURES = {
 LLAMA_LIKE = ("llama", "qwen2", "qwen3", "mistral")
 
 
+# Tiny causal LMs that keep state besides (or instead of) keys and values: recurrent, linear-attention and convolution
+# state ("state layers"), which a rollback cannot cut back by position. Qwen3.5, Qwen3-Next and Jamba get
+# 2 * num_layers layers, a state layer then an attention layer, so that every size has both (their default layer
+# patterns would make the first layers all state layers); each Falcon-H1 layer is both. `layer_census` (and
+# `state_layer_count`, `attention_layer_count`) says what a built model holds.
+
+# Gated DeltaNet's heads (Qwen3.5, Qwen3-Next): more value heads than key heads, as released.
+_GATED_DELTANET = dict(
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    linear_conv_kernel_dim=4,
+)
+
+
+def _qwen3_5(vocab_size, num_layers, window):
+    """Qwen3.5 (text): Gated DeltaNet layers (a conv state and a recurrent state each) between full-attention layers."""
+    return transformers.Qwen3_5TextConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2 * num_layers,
+        layer_types=["linear_attention", "full_attention"] * num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        **_GATED_DELTANET,
+    ), transformers.Qwen3_5ForCausalLM
+
+
+def _qwen3_next(vocab_size, num_layers, window):
+    """Qwen3-Next: Qwen3.5's layer pattern, each layer's MLP a small mixture of experts with a shared expert."""
+    return transformers.Qwen3NextConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2 * num_layers,
+        layer_types=["linear_attention", "full_attention"] * num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        **_GATED_DELTANET,
+    ), transformers.Qwen3NextForCausalLM
+
+
+def _jamba(vocab_size, num_layers, window):
+    """Jamba: Mamba layers (conv and SSM state) with an attention layer every second layer; the layers after a
+    Mamba layer (the attention ones) have a small mixture of experts."""
+    return transformers.JambaConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2 * num_layers,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        expert_layer_period=2,
+        expert_layer_offset=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        mamba_d_state=4,
+        mamba_d_conv=4,
+        mamba_expand=2,
+    ), transformers.JambaForCausalLM
+
+
+def _falcon_h1(vocab_size, num_layers, window):
+    """Falcon-H1: every layer runs Mamba-2 (conv and SSM state) and attention side by side ("hybrid" cache layers);
+    mamba_n_heads * mamba_d_head = mamba_expand * hidden_size, chunks of 8 tokens."""
+    return transformers.FalconH1Config(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        mamba_d_ssm=None,  # mamba_expand * hidden_size
+        mamba_expand=2,
+        mamba_n_heads=8,
+        mamba_d_head=8,
+        mamba_n_groups=1,
+        mamba_d_state=8,
+        mamba_d_conv=4,
+        mamba_chunk_size=8,
+    ), transformers.FalconH1ForCausalLM
+
+
+def _mamba2(vocab_size, num_layers, window):
+    """Mamba-2: num_heads * head_dim = expand * hidden_size; chunks of 8 tokens, so longer prompts cross chunks."""
+    return transformers.Mamba2Config(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        num_hidden_layers=num_layers,
+        num_heads=8,
+        head_dim=8,
+        state_size=16,
+        n_groups=1,
+        conv_kernel=4,
+        chunk_size=8,
+        expand=2,
+    ), transformers.Mamba2ForCausalLM
+
+
+def _mamba(vocab_size, num_layers, window):
+    """Mamba (1): a selective SSM and a causal conv in each layer."""
+    return transformers.MambaConfig(
+        vocab_size=vocab_size, hidden_size=32, num_hidden_layers=num_layers, state_size=8, expand=2, conv_kernel=4
+    ), transformers.MambaForCausalLM
+
+
+def _rwkv(vocab_size, num_layers, window):
+    """RWKV (4): its state (five tensors, one slice per layer) lives outside the Cache API, in the output's `state`.
+    One layer more than asked: its weight init divides by num_hidden_layers - 1."""
+    return transformers.RwkvConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        attention_hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=num_layers + 1,
+    ), transformers.RwkvForCausalLM
+
+
+def _xlstm(vocab_size, num_layers, window):
+    """xLSTM (mLSTM blocks): its state lives in an xLSTMCache. Its query, key and value widths round up to multiples of
+    64, so it is 64 wide (as the survey's tiny xLSTM)."""
+    return transformers.xLSTMConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        embedding_dim=64,
+        num_hidden_layers=num_layers,
+        num_blocks=num_layers,
+        num_heads=4,
+        qk_dim_factor=1.0,
+    ), transformers.xLSTMForCausalLM
+
+
+STATE_ARCHITECTURES = {
+    "qwen3_5": _qwen3_5,  # Gated DeltaNet + full attention
+    "qwen3_next": _qwen3_next,  # Gated DeltaNet + full attention, MoE
+    "jamba": _jamba,  # Mamba + attention, MoE
+    "falcon_h1": _falcon_h1,  # Mamba-2 beside attention in every layer
+    "mamba2": _mamba2,
+    "mamba": _mamba,
+    "rwkv": _rwkv,  # state outside the Cache API
+    "xlstm": _xlstm,  # state in its own xLSTMCache
+}
+# The ones that also have attention layers.
+HYBRID_STATE = ("qwen3_5", "qwen3_next", "jamba", "falcon_h1")
+
+
 def tiny_model(
     arch: str,
     vocab_size: int,
@@ -268,11 +425,12 @@ def tiny_model(
     max_position_embeddings: int = 128,
 ):
     """A random causal LM small enough for hundreds of examples a minute (`sliding_window`: the window of Mistral,
-    Gemma 4 and Moshi, or GPT-Neo's local window).
+    Gemma 4 and Moshi, or GPT-Neo's local window). `arch` names an `ARCHITECTURES` or a `STATE_ARCHITECTURES` entry.
 
     initializer_range 0.3 makes logits spread out, so top-2 near ties are as rare as in real models.
     """
-    config, model_cls = ARCHITECTURES[arch](vocab_size, num_layers, sliding_window)
+    builder = ARCHITECTURES[arch] if arch in ARCHITECTURES else STATE_ARCHITECTURES[arch]
+    config, model_cls = builder(vocab_size, num_layers, sliding_window)
     config.max_position_embeddings = max_position_embeddings
     config.initializer_range = 0.3
     config.tie_word_embeddings = False
@@ -280,6 +438,92 @@ def tiny_model(
     with torch.random.fork_rng():  # the same weights for the same seed, without touching the caller's RNG
         torch.manual_seed(seed)
         return model_cls(config).eval()
+
+
+@dataclass
+class LayerCensus:
+    """The layers that one short forward filled in a model's cache: `state` layers (recurrent, linear-attention or
+    convolution state) and `attention` layers (keys and values); a hybrid layer counts as both."""
+
+    state: int
+    attention: int
+
+
+def _own_state_models() -> tuple[type, ...]:
+    """The model classes whose state lives outside `DynamicCache`: RWKV (the output's `state`), xLSTM (an
+    xLSTMCache) and MiniMax (a MiniMaxCache, which refuses any other)."""
+    return (transformers.RwkvPreTrainedModel, transformers.xLSTMPreTrainedModel, transformers.MiniMaxPreTrainedModel)
+
+
+def layer_census(model, num_tokens: int = 5, seed: int = 0) -> LayerCensus:
+    """Count the state and attention layers of `model` by running one forward of `num_tokens` random tokens with a
+    cache, and counting the layers that the forward filled, so that a tiny config provably contains what it is meant
+    to test (a config's declared layer pattern may not be what its model builds, or may be silently overridden).
+
+    Models that keep their state in the Cache API run with `cache=DynamicCache(config=model.config)`: a state layer is
+    a `LinearAttentionCacheLayerMixin` with an initialised conv or recurrent state, an attention layer a key/value
+    layer that holds keys. Others run with their own cache (`use_cache=True`): RWKV's `state` (a layer counts where
+    its slice changed from the initial state), xLSTM's `rnn_state` (where it is no longer zero), MiniMax's
+    `linear_cache` (a tensor per lightning-attention layer). State kept on the modules themselves (RecurrentGemma's
+    recurrent blocks: `conv1d_state`, `recurrent_states`) counts once per outermost module that holds a tensor
+    attribute named `*_state` or `*_states`."""
+    from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerMixin
+
+    vocab = model.get_input_embeddings().num_embeddings
+    generator = torch.Generator("cpu").manual_seed(seed)
+    ids = torch.randint(0, vocab, (1, num_tokens), generator=generator, device="cpu").to(model.device)
+    with torch.inference_mode():
+        if isinstance(model, _own_state_models()):
+            out, cache = model(ids, use_cache=True), None
+        else:
+            cache = DynamicCache(config=model.config)
+            out = model(ids, cache=cache, use_cache=True)
+    if cache is None:
+        cache = getattr(out, "cache", None)
+    state = attention = 0
+    for layer in getattr(cache, "layers", []):  # the Cache API (and MiniMax's key/value layers)
+        if isinstance(layer, LinearAttentionCacheLayerMixin):
+            flags = (layer.is_conv_states_initialized, layer.is_recurrent_states_initialized, layer.has_previous_state)
+            state += any(any(flag.values()) for flag in flags)
+        if isinstance(layer, CacheLayerMixin) and getattr(layer, "keys", None) is not None and layer.keys.numel():
+            attention += 1
+    state += sum(isinstance(tensor, torch.Tensor) for tensor in getattr(cache, "linear_cache", []))  # MiniMax
+    rnn_state = getattr(cache, "rnn_state", None)  # xLSTM: {layer: its state tensors}, zeros until a forward
+    for layer_state in (rnn_state or {}).values():
+        state += any(bool(tensor.any()) for tensor in layer_state)
+    rwkv = getattr(out, "state", None)
+    if isinstance(rwkv, (list, tuple)) and rwkv:
+        # Five tensors [batch, width, layers]: the last inputs of the two token shifts, the WKV numerator and
+        # denominator (all initially 0) and its running maximum (initially -1e38)
+        initial = [0.0, 0.0, 0.0, 0.0, -1e38]
+        for i in range(rwkv[0].shape[-1]):
+            state += any(bool((s[..., i] != init).any()) for s, init in zip(rwkv, initial))
+    state += _module_held_states(model)
+    return LayerCensus(state=state, attention=attention)
+
+
+def _module_held_states(model) -> int:
+    """The outermost modules of `model` holding a tensor in an attribute named `*_state` or `*_states` (not a
+    parameter or buffer: state a module keeps between forwards, as RecurrentGemma's recurrent blocks do)."""
+    holders = []
+    for name, module in model.named_modules():
+        held = any(
+            isinstance(value, torch.Tensor) and key.endswith(("_state", "_states"))
+            for key, value in vars(module).items()
+        )
+        if held and not any(name.startswith(outer + ".") for outer in holders):
+            holders.append(name)
+    return len(holders)
+
+
+def state_layer_count(model, num_tokens: int = 5) -> int:
+    """How many layers of `model` keep recurrent, linear-attention or convolution state (see `layer_census`)."""
+    return layer_census(model, num_tokens).state
+
+
+def attention_layer_count(model, num_tokens: int = 5) -> int:
+    """How many layers of `model` keep attention keys and values (see `layer_census`)."""
+    return layer_census(model, num_tokens).attention
 
 
 # Drafters that try to break the engine: a drafter can never make it emit a token the verifier would not.
