@@ -562,7 +562,7 @@ RECURRENT_MODELS = {
 def test_recurrent_model_is_refused_clearly(kind):
     """Refused by what they are, whether or not transformers marks them stateful (it stopped at 5.25)."""
     model = RECURRENT_MODELS[kind]().eval()
-    with pytest.raises(ValueError, match=r"keeps state that cannot be rolled back"):
+    with pytest.raises(ValueError, match=r"keeps its recurrent state in a structure of its own"):
         hybrid.generate(model, torch.tensor([[1, 2, 3]]), drafter=None, max_new_tokens=5, **GREEDY)
 
 

@@ -18,6 +18,10 @@ selects and growth widens, as it does the keys/values. The verifier's kept hidde
 (`HIDDEN`, valid for every cached token); a drafter keeps its own per-token state in others (the block
 drafter's projected context keys/values), valid up to what it marked computed.
 
+**Recurrent and convolution states** (linear-attention, state-space and short-convolution layers) are kept per row
+beside the keys and values, and a verify records the state after each fed token so that any accepted prefix is kept
+without running it again (`verifiers.state_layers`). Such a model verifies chains, not trees.
+
 **Static shapes** (`static=True`, `cache_implementation="static"`): every forward reads all `capacity`
 slots through the mask and writes through an index tensor, so a forward of q tokens has the same shapes
 at every step and a compiled forward (CUDA graphs) replays instead of re-tracing; the buffers never grow.
@@ -33,6 +37,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from verifiers.cache_layers import attention_pattern, cache_layer_sources
 from verifiers.memory import CacheMemoryError, check_fits, shape_bytes
+from verifiers.state_layers import RowStates, layer_states
 
 HIDDEN = "hidden"  # the side buffer of the verifier's kept hidden states
 
@@ -81,6 +86,36 @@ class _RowLayer(CacheLayerMixin):
             self.keys, self.values = self.keys[indices], self.values[indices]
 
 
+class _StateLayer(RowStates):
+    """A layer that keeps only recurrent / convolution states (linear attention, Mamba, short convolution)."""
+
+    @property
+    def is_initialized(self) -> bool:
+        return self.holds_states
+
+
+class _HybridLayer(_RowLayer, RowStates):
+    """A layer that keeps both: attention keys/values in slots and recurrent / convolution states (Falcon-H1's)."""
+
+    def __init__(self, owner: SharedCache, number_of_states: int):
+        _RowLayer.__init__(self, owner)
+        RowStates.__init__(self, number_of_states)
+
+    def lazy_initialization(self, *args, **kwargs) -> None:
+        # As transformers' hybrid layer tells them apart: keys and values come positionally, states by keyword.
+        if args:
+            _RowLayer.lazy_initialization(self, *args)
+        else:
+            RowStates.lazy_initialization(self, **kwargs)
+
+
+def _cache_layer(owner: SharedCache, states: int, attention: bool):
+    """The cache layer for a model layer with `states` recurrent/convolution state pairs and, or, attention."""
+    if not states:
+        return _RowLayer(owner)
+    return _HybridLayer(owner, states) if attention else _StateLayer(states)
+
+
 class SharedCache(Cache):
     """The verifier's keys/values for every row, plus side buffers: its kept hidden states and a drafter's state.
 
@@ -105,12 +140,16 @@ class SharedCache(Cache):
         text = model.config.get_text_config()
         self.windows_by_mask = windows_by_mask
         self.sources = cache_layer_sources(text)
-        super().__init__(layers=[_RowLayer(self) for _ in self.sources])
+        self.layer_types, self.window = attention_pattern(text)
+        states = layer_states(text)
+        states += [(0, True)] * (len(self.sources) - len(states))  # a looped model's extra layers: attention
+        super().__init__(layers=[_cache_layer(self, *layer) for layer in states])
+        self.state_layers = [layer for layer in self.layers if isinstance(layer, RowStates)]
+        self._recorded: int | None = None  # q of the last forward, until its rows' states are settled
         self.capacity = max(int(capacity), 1)
         self.static = static
         self.lengths = [0] * batch_size  # tokens cached per row
         self.device, self.dtype, self.config = model.device, model.dtype, model.config
-        self.layer_types, self.window = attention_pattern(text)
         check_fits(model, batch_size, self.capacity, hidden_width)
         self.side: dict[str, torch.Tensor] = {}  # name -> [rows, capacity, *per_token], see `side_buffer`
         self.side_lengths: dict[str, list[int]] = {}  # name -> its valid tokens per row
@@ -158,7 +197,7 @@ class SharedCache(Cache):
                     f"a static cache of {self.capacity} slots cannot hold {slots}: size it for the whole call"
                 )
             self.capacity = max(slots, 2 * self.capacity)
-            for layer in self.layers:  # layers not yet initialised are allocated at the new capacity
+            for layer in self._kv_layers():  # layers not yet initialised are allocated at the new capacity
                 if layer.is_initialized:
                     layer.keys, layer.values = self.grow(layer.keys, 2), self.grow(layer.values, 2)
             self.side = {name: self.grow(buffer, 1) for name, buffer in self.side.items()}
@@ -174,6 +213,15 @@ class SharedCache(Cache):
         fed tokens before it. Either way it is written to slot lengths[b] + i.
         """
         self.reserve(max(self.lengths) + q)
+        self.settle_states()
+        prefill = not any(self.lengths)
+        if self.state_layers:
+            if tree is not None:
+                raise ValueError("a model with recurrent or convolution states verifies chains, not token trees")
+            if q > 1 and not prefill:  # the state after each fed token, for the rollback (`settle_states`)
+                for layer in self.state_layers:
+                    layer.record(q)
+            self._recorded = q
         starts = torch.tensor(self.lengths, device=self.device)
         self._forward_start = list(self.lengths)
         self._write_index = starts[:, None] + torch.arange(q, device=self.device)
@@ -181,7 +229,6 @@ class SharedCache(Cache):
         # Static shapes write through the index tensor even when rows are aligned: a slice start would be a
         # Python int that changes every step, i.e. a new graph. The prefill runs eagerly either way, and as in
         # `generate` through the model's own mask over the prompt's slots alone (`needs_mask`).
-        prefill = not any(self.lengths)
         self._write_start = self.lengths[0] if len(set(self.lengths)) == 1 and (prefill or not self.static) else None
         self.end = self.capacity if self.static and not prefill else max(self.lengths) + q
         return self._write_index if tree is None else starts[:, None] + self._tree[0]
@@ -264,12 +311,16 @@ class SharedCache(Cache):
         query_pos = self._window_positions(query_pos, self._write_index[:, :, None])
         key_pos = self._window_positions(key_pos, keys.expand(rows, 1, -1))
         masks = {}
-        for kind in set(self.layer_types):
+        for kind in set(self.layer_types) & {"full_attention", "sliding_attention"}:
             seen = visible & (key_pos > query_pos - self.window) if kind == "sliding_attention" else visible
             masks[kind] = torch.zeros(seen.shape, dtype=self.dtype, device=self.device).masked_fill(
                 ~seen, torch.finfo(self.dtype).min
             )[:, None]
-        return next(iter(masks.values())) if len(masks) == 1 else masks
+        if not masks:  # no attention layer (a state-space model): nothing to mask, a fed token is never padding
+            return None
+        if len(masks) == 1:  # the model maps it to its attention layers; its recurrent layers take no 4-D mask
+            return next(iter(masks.values()))
+        return masks
 
     def commit(self, q: int, hidden: torch.Tensor | None = None) -> None:
         """After the forward: every row now holds its q fed tokens (rollback drops the rejected ones)."""
@@ -281,6 +332,22 @@ class SharedCache(Cache):
         self._write_index, self._write_start, self._tree = None, None, None
 
     # -- rollback and finished rows ------------------------------------------------------------------
+
+    def settle_states(self) -> None:
+        """Keep, in every state layer, each row's state after the tokens it kept of the last forward (a recorded
+        verify's history, `verifiers.state_layers`). Runs before the next forward and before rows are selected or
+        read, once the accepted lengths are final."""
+        if self._recorded is None:
+            return
+        q, self._recorded = self._recorded, None
+        kept = [n - start for n, start in zip(self.lengths, self._forward_start)]
+        if any(not 0 <= n <= q for n in kept):
+            raise RuntimeError(
+                f"rows of recurrent state kept {kept} tokens of a forward of {q}: a rollback past the last forward "
+                "cannot be undone"
+            )
+        for layer in self.state_layers:
+            layer.settle(kept, q)
 
     def rollback(self, drop: list[int]) -> None:
         """Forget the last drop[b] tokens of row b (rejected drafts): the lengths move back, nothing else."""
@@ -298,13 +365,15 @@ class SharedCache(Cache):
         rollback); a tree's accepted path is copied down, keys, values and side state alike, recomputing nothing."""
         for b, offsets in enumerate(kept):
             start = self._forward_start[b]
+            if self.state_layers and list(offsets) != list(range(len(offsets))):
+                raise ValueError(f"row {b} keeps fed tokens {offsets}: recurrent states keep a prefix only")
             if any(not 0 <= o < self.lengths[b] - start for o in offsets) or sorted(set(offsets)) != list(offsets):
                 raise ValueError(f"row {b} cannot keep fed tokens {offsets} of the {self.lengths[b] - start} it holds")
             moved = [(start + o, start + i) for i, o in enumerate(offsets) if o != i]
             if moved:
                 src = torch.tensor([s for s, _ in moved], device=self.device)
                 dst = torch.tensor([d for _, d in moved], device=self.device)
-                for layer in self.layers:
+                for layer in self._kv_layers():
                     if layer.is_initialized:
                         for buffer in (layer.keys, layer.values):
                             buffer[b, :, dst.to(buffer.device)] = buffer[b, :, src.to(buffer.device)]
@@ -314,9 +383,12 @@ class SharedCache(Cache):
 
     def select_rows(self, rows: list[int]) -> None:
         """Keep only `rows` (in this order), e.g. drop finished ones so they stop costing work."""
+        self.settle_states()
         index = torch.tensor(rows, dtype=torch.long, device=self.device)
-        for layer in self.layers:
+        for layer in self._kv_layers():
             layer.batch_select_indices(index)
+        for layer in self.state_layers:
+            layer.select(index)
         self.side = {name: b[index.to(b.device)] for name, b in self.side.items()}
         self.lengths = [self.lengths[r] for r in rows]
         if self.holes is not None:
@@ -326,10 +398,34 @@ class SharedCache(Cache):
             for buffer in self.buffers():
                 torch._dynamo.mark_static_address(buffer)
 
+    def append_rows(self, other: SharedCache) -> None:
+        """Append the rows of `other`, a cache built for the same model and capacity, after this one's (prefills of
+        different prompt lengths, run apart so that no padding enters a recurrent state)."""
+        if self.holes is not None or other.holes is not None or self.capacity != other.capacity:
+            raise ValueError("only caches of one capacity without masked prompt tokens are appended")
+        self.settle_states()
+        other.settle_states()
+        for mine, theirs in zip(self.layers, other.layers):
+            if isinstance(mine, _RowLayer) and mine.is_initialized:
+                mine.keys, mine.values = torch.cat([mine.keys, theirs.keys]), torch.cat([mine.values, theirs.values])
+            if isinstance(mine, RowStates):
+                mine.append_rows(theirs)
+        self.side = {name: torch.cat([buffer, other.side[name]]) for name, buffer in self.side.items()}
+        self.side_lengths = {name: valid + other.side_lengths[name] for name, valid in self.side_lengths.items()}
+        self.lengths = self.lengths + other.lengths
+
     def buffers(self) -> list[torch.Tensor]:
         """Every allocated tensor: keys and values per layer, then the side buffers."""
-        kv = [t for layer in self.layers if layer.is_initialized for t in (layer.keys, layer.values)]
+        kv = [t for layer in self._kv_layers() if layer.is_initialized for t in (layer.keys, layer.values)]
         return kv + list(self.side.values())
+
+    def _kv_layers(self) -> list[_RowLayer]:
+        """The layers that keep keys and values in slots."""
+        return [layer for layer in self.layers if isinstance(layer, _RowLayer)]
+
+    def state_bytes(self) -> int:
+        """Bytes of every row's settled recurrent and convolution states."""
+        return sum(layer.states_bytes() for layer in self.state_layers)
 
     # -- reading -------------------------------------------------------------------------------------
 
@@ -371,14 +467,18 @@ class SharedCache(Cache):
 
     def to_dynamic(self, row: int = 0):
         """A transformers `DynamicCache` holding row `row`'s cached tokens, to continue with `model.generate`."""
+        self.settle_states()
         cache = DynamicCache(config=self.config)  # as `generate` builds it (sliding layers keep their window)
         # A looped model's extra layers, as it appends them to a cache of one layer per model layer
         cache.layers += [copy.deepcopy(cache.layers[source]) for source in self.sources[len(cache.layers) :]]
+        n = self.lengths[row]
         for i, layer in enumerate(self.layers):
-            if not layer.is_initialized:  # a layer that stores nothing (KV sharing): neither does generate's
-                continue
-            n = self.lengths[row]
-            cache.update(layer.keys[row : row + 1, :, :n].clone(), layer.values[row : row + 1, :, :n].clone(), i)
+            if isinstance(layer, RowStates):
+                layer.copy_row_into(cache.layers[i], row)
+                cache.layers[i].cumulative_length_linear.fill_(n)
+            # A layer that stores nothing (KV sharing) is skipped: neither does generate's
+            if isinstance(layer, _RowLayer) and layer.is_initialized:
+                cache.update(layer.keys[row : row + 1, :, :n].clone(), layer.values[row : row + 1, :, :n].clone(), i)
         return cache
 
 

@@ -6,7 +6,11 @@ from __future__ import annotations
 
 from transformers.cache_utils import get_layer_types_and_kwargs
 
+from verifiers.state_layers import layer_states
+
 LAYER_TYPES = ("full_attention", "sliding_attention")
+STATE_ONLY = ("linear_attention", "conv")  # layers that keep recurrent or convolution state and no keys/values
+HYBRID_ATTENTION = {"hybrid": "full_attention", "hybrid_sliding": "sliding_attention"}
 
 
 def attention_pattern(text_config) -> tuple[list[str], int | None]:
@@ -24,10 +28,18 @@ def attention_pattern(text_config) -> tuple[list[str], int | None]:
         else kind
         for i, kind in enumerate(raw)
     ]
-    odd = sorted(set(types) - set(LAYER_TYPES))
+    # Recurrent / convolution layers keep states (`verifiers.state_layers`), not slots: the masks skip them. A hybrid
+    # layer attends as its name says besides.
+    types = [HYBRID_ATTENTION.get(kind, kind) for kind in types]
+    odd = sorted(set(types) - set(LAYER_TYPES) - set(STATE_ONLY))
     if odd:
-        raise ValueError(f"{name} has {odd} layers: hybrid's cache serves full and sliding-window attention only")
-    windows = {kw.get("sliding_window") for kind, kw in zip(raw, kwargs) if kind == "sliding_attention"}
+        raise ValueError(
+            f"{name} has {odd} layers: hybrid's cache serves full and sliding-window attention, and recurrent, "
+            "linear-attention and convolution layers"
+        )
+    windows = {
+        kw.get("sliding_window") for kind, kw in zip(raw, kwargs) if kind in ("sliding_attention", "hybrid_sliding")
+    }
     if None in windows:
         raise ValueError(f"{name} has sliding-attention layers but no sliding_window size")
     if len(windows) > 1:
@@ -69,9 +81,13 @@ def cache_fingerprint(model) -> dict:
     differ by layer, as in Gemma 4). Multi-head latent attention (DeepSeek-V2 and its kin, `kv_lora_rank`) caches
     one head: the compressed latent as keys, the shared rotary key as values."""
     text = model.config.get_text_config()
+    states = layer_states(text)
     layers = []
     for source in cache_layer_sources(text):
         layer = text.per_layer_config[source]
+        if source < len(states) and not states[source][1]:  # recurrent / convolution states only: no slots
+            layers.append((0, 0, 0))
+            continue
         if getattr(layer, "kv_lora_rank", None):
             layers.append((1, layer.kv_lora_rank, layer.qk_rope_head_dim))
             continue

@@ -184,7 +184,9 @@ def _measure_verify_costs(model, sizes, repeats: int, kernels) -> dict[str, dict
     generator = torch.Generator().manual_seed(0)
     context = torch.randint(0, vocab, (1, length), generator=generator).to(model.device)
     cache = DynamicCache(config=model.config)
-    cache.activate_past_recording()  # sliding-window layers keep what the crop below removes (as in Verifier)
+    # Sliding-window layers keep what the crop below removes (as in Verifier), and recurrent layers the state after
+    # each verified token, as a verify records it (`verifiers.state_layers`)
+    cache.activate_past_recording(recurrent_states_to_keep=max(sizes))
     # Position ids as the verifier passes them: some forwards cannot derive their own (XMOD's without a pad id)
     model(context, position_ids=torch.arange(length, device=model.device)[None], cache=cache, use_cache=True)
     linears = cpu_linears(model)

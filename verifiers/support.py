@@ -19,6 +19,7 @@ from transformers import GenerationMixin, PreTrainedModel
 from verifiers.cache import holed_rows
 from verifiers.cache_layers import attention_pattern, cache_fingerprint, cache_layer_sources
 from verifiers.probes import attends_ahead, cache_feed_problem, padding_changes_outputs, scores_depend_on_width
+from verifiers.state_layers import attention_free, layer_states
 
 # Attention implementations that take the cache's 4D additive masks (`SharedCache.attention_mask`). Others
 # (flash_attention_2) build their own causal mask, which is right only when every row has the same length.
@@ -41,15 +42,13 @@ def check_support(
     bad = [i for i in hidden_layers if not -num_states <= i < num_states]
     if bad:
         raise ValueError(f"hidden_layers {bad} out of range for a model with {num_states - 1} layers")
-    if keeps_recurrent_state(model):
-        raise ValueError(
-            f"{type(model).__name__} keeps state that cannot be rolled back by cropping "
-            "(linear attention / recurrent layers): speculative decoding needs a croppable KV cache"
-        )
     attention_pattern(text)  # raises for attention kinds the cache cannot serve
     cache_layer_sources(text)  # raises for a looped model whose loops read the cache past Cache.update
     # A verifier fed one token per forward (drafter=None) runs what `generate` runs; anything wider needs a mask.
     several = role != "verifier" or max_width > 1
+    refusal = state_refusal(model, role, several, static)
+    if refusal:
+        raise ValueError(refusal)
     problem = mask_problem(text)
     if problem and several:
         fix = "pass drafter=None (one token per forward, as model.generate)" if role == "verifier" else ""
@@ -96,6 +95,12 @@ def check_masks(model, masks: list[torch.Tensor | None]) -> None:
     holed = holed_rows(masks)
     if not holed:
         return
+    if keeps_states(model):
+        raise ValueError(
+            f"attention_mask masks a token of row {holed[0]} after the row's first token, and {type(model).__name__} "
+            "keeps recurrent state, into which model.generate folds a masked token as a zero input: mask only leading "
+            "(left-padding) tokens, or decode this prompt with model.generate"
+        )
     problem = masked_window_problem(model)
     if problem is not None:
         mask = masks[holed[0]]
@@ -177,20 +182,56 @@ def check_causal_lm(model, role: str = "verifier") -> None:
         )
 
 
-# Recurrent models whose config names no layer types: the names transformers' own generate checks
-# (`_supports_default_dynamic_cache`); from 5.25 no model sets `_is_stateful`.
-_RECURRENT_NAMES = ("rwkv", "xlstm")
+# Models that keep recurrent state outside transformers' Cache layers (in a state list or a cache class of their own):
+# the model types transformers' own generate keeps out of its default cache (`_supports_default_dynamic_cache`).
+_OWN_STATE_TYPES = ("rwkv", "xlstm", "minimax")
+# Models whose forward of several tokens on top of a cache restarts their recurrence as a prefill would, in
+# transformers' own code (Zamba's Mamba mixer and RecurrentGemma's recurrent block): one token at a time is right.
+_RESTARTING_TYPES = {
+    "zamba": "its Mamba layers run a forward of several tokens as a prefill, without the cached state",
+    "recurrent_gemma": "its recurrent blocks run a forward of several tokens as a prefill, restarting the convolution",
+}
 
 
-def keeps_recurrent_state(model) -> bool:
-    """Whether `model` keeps state that cropping cannot roll back: a stateful model (Mamba, RWKV, xLSTM), or
-    linear-attention / Mamba / recurrent layers among its layer types."""
-    types = getattr(model.config.get_text_config(), "layer_types", None) or []
-    return (
-        getattr(model, "_is_stateful", False)  # transformers < 5.25
-        or any("linear" in t or "mamba" in t or "recurrent" in t for t in types)
-        or any(name in type(model).__name__.lower() for name in _RECURRENT_NAMES)
+def keeps_states(model) -> bool:
+    """Whether `model` keeps recurrent or convolution state (linear attention, Mamba, short convolution, RWKV...)."""
+    text = model.config.get_text_config()
+    return any(states for states, _ in layer_states(text)) or text.model_type in (
+        *_OWN_STATE_TYPES,
+        *_RESTARTING_TYPES,
     )
+
+
+def state_refusal(model, role: str, several: bool, static: bool) -> str | None:
+    """Why `model`'s recurrent or convolution state cannot be served so (None if it can, or keeps none). hybrid keeps
+    the state of transformers' Cache layers per row and rolls a verify back to any prefix
+    (`verifiers.state_layers`)."""
+    if not keeps_states(model):
+        return None
+    name, kind = type(model).__name__, model.config.get_text_config().model_type
+    if kind in _OWN_STATE_TYPES:
+        return (
+            f"{name} keeps its recurrent state in a structure of its own, not in transformers' Cache layers, so "
+            "hybrid cannot keep it per row or roll it back: decode it with model.generate"
+        )
+    if kind in _RESTARTING_TYPES and several:
+        return (
+            f"{name} cannot verify drafted tokens: {_RESTARTING_TYPES[kind]}, so a verify would not continue the "
+            "cached sequence. Pass drafter=None (one token per forward, as model.generate decodes), or decode with "
+            "model.generate"
+        )
+    if role != "verifier":
+        return (
+            f"{name} keeps recurrent state, which hybrid rolls back for a verifier only: a {role} drafts with several "
+            "forwards between rollbacks. Pick a drafter model with attention layers only"
+        )
+    if static:
+        return (
+            f"cache_implementation='static' compiles one graph per verify width, and {name}'s recurrent layers record "
+            "the state after each verified token in tensors the graph would not own. Drop cache_implementation "
+            "(the dynamic path serves this model)"
+        )
+    return None
 
 
 def mask_problem(text_config) -> str | None:
@@ -257,6 +298,8 @@ def slot_position_problem(model) -> str | None:
     ALiBi models (Bloom, Falcon, MPT) place nothing: their bias is relative, and `row_mask_problem` and
     `masked_window_problem` say what they cannot take."""
     if uses_alibi(model.config.get_text_config()):
+        return None
+    if attention_free(model.config.get_text_config()):  # a state-space model: no token is placed by position
         return None
     if "position_ids" in inspect.signature(model.forward).parameters:
         return None

@@ -21,7 +21,7 @@ from verifiers.kernels import chosen_kernels, cpu_linears, forget_changed_weight
 from verifiers.positions import positions_room, rope_switches
 from verifiers.probes import LOGITS_DIFFER, relative_difference
 from verifiers.step_inputs import rereads
-from verifiers.support import check_masks, check_support, learned_position_limit
+from verifiers.support import check_masks, check_support, keeps_states, learned_position_limit
 
 STATIC_CAPACITY_STEP = 256  # static caches are sized in multiples of this many slots
 
@@ -67,6 +67,7 @@ class Verifier:
             model, role=role, max_width=max_width, static=static, hidden_layers=hidden_layers
         )
         self.batches = self.row_mask_problem is None
+        self.keeps_states = keeps_states(model)
         self.model = model
         self.hidden_layers = tuple(hidden_layers)
         text = model.config.get_text_config()
@@ -145,6 +146,8 @@ class Verifier:
         check_masks(self.model, masks)
         if self.static:  # calls of similar length share a capacity, hence their compiled graphs
             capacity = -(-capacity // STATIC_CAPACITY_STEP) * STATIC_CAPACITY_STEP
+        if self.keeps_states and len({row.shape[0] for row in rows}) > 1:
+            return self._prefill_by_length(rows, capacity, masks)
         logits = self._prefill(rows, capacity, masks, own_mask=False)
         holed = holed_rows(masks)
         if holed and self.cache.holes is not None:
@@ -177,6 +180,27 @@ class Verifier:
         column = torch.searchsorted(keep, last) if self._supports_logits_to_keep else last
         self.cache.rollback([width - n for n in lengths])
         return logits[torch.arange(len(rows)), column]
+
+    def _prefill_by_length(self, rows, capacity: int, masks) -> torch.Tensor:
+        """Prompts of different lengths, each length's rows in a forward of their own: a right-padded forward would
+        fold its padding into the recurrent states, which no rollback undoes. Each row is prefilled as `generate`
+        prefills it alone; the caches are then joined in the rows' order."""
+        by_length: dict[int, list[int]] = {}
+        for b, row in enumerate(rows):
+            by_length.setdefault(row.shape[0], []).append(b)
+        groups = list(by_length.values())
+        logits, cache = [], None
+        for group in groups:
+            logits.append(self._prefill([rows[b] for b in group], capacity, [masks[b] for b in group], own_mask=False))
+            if cache is None:
+                cache = self.cache
+            else:
+                cache.append_rows(self.cache)
+        self.cache = cache
+        order = [b for group in groups for b in group]  # the joined cache's row i holds row order[i]
+        where = sorted(range(len(order)), key=order.__getitem__)
+        self.cache.select_rows(where)
+        return torch.cat(logits)[torch.tensor(where)]
 
     @torch.inference_mode()
     def _prefill_as_generate(self, rows, capacity: int, masks, holed: list[int], logits: torch.Tensor) -> torch.Tensor:
@@ -236,8 +260,9 @@ class Verifier:
 
     @property
     def takes_trees(self) -> bool:
-        """Whether a verify may feed token trees: they need the per-row masks only some models take."""
-        return self.row_mask_problem is None
+        """Whether a verify may feed token trees: they need the per-row masks only some models take, and a model with
+        recurrent states verifies chains (a state per tree node would need the model's kernels to follow the tree)."""
+        return self.row_mask_problem is None and not self.keeps_states
 
     def width_rule(self):
         """`padded_width` as a plain function of (m, rows) that holds no reference to this verifier or its model (a
