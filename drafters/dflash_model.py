@@ -233,7 +233,8 @@ class DFlashDraftModel(DFlashNetwork, Qwen3PreTrainedModel):
         stop_token_ids: list[int] | None = None,
         temperature: float = 0.0,
     ) -> torch.LongTensor:
-        """Speculative decoding of one prompt [1, n] with `target` (a Qwen3 or Llama causal LM): draft a block,
+        """Speculative decoding of one prompt [1, n] with `target` (a Qwen3, Llama or Qwen3.5 causal LM, whose
+        linear-attention layers are rolled back to the accepted prefix's recorded state): draft a block,
         verify it in one target forward, keep the longest agreeing prefix and the target's next token. Greedy at
         temperature 0 (the output is the target's greedy output); otherwise the target's samples decide."""
         self.eval()
@@ -251,10 +252,16 @@ class DFlashDraftModel(DFlashNetwork, Qwen3PreTrainedModel):
 
     def _decode(self, target, input_ids, max_new_tokens, stop, temperature):
         embed, head = target.get_input_embeddings(), target.get_output_embeddings()
-        target_cache, draft_cache = DynamicCache(), DynamicCache()
+        target_cache, draft_cache = target_cache_for(target), DynamicCache()
         # transformers 5 names the cache argument `cache`, 4.x `past_key_values`.
         cache = "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
         out = target(input_ids, use_cache=True, output_hidden_states=True, **{cache: target_cache})
+        # A verify feeds the whole block: linear-attention layers (Qwen3.5's Gated DeltaNet, Mamba) then keep their
+        # state before and after each of its first size - 1 tokens (and sliding-window layers their evicted keys), so
+        # that `crop(-n)` restores the state after the anchor and the accepted tokens.
+        recording = hasattr(target_cache, "activate_past_recording")
+        if recording:
+            target_cache.activate_past_recording(recurrent_states_to_keep=self.block_size)
         tokens = torch.cat([input_ids, choose(out.logits[:, -1:], temperature)], dim=1)
         context = self.context_of(out.hidden_states)
         prompt_len, size = input_ids.shape[1], self.block_size
@@ -276,7 +283,9 @@ class DFlashDraftModel(DFlashNetwork, Qwen3PreTrainedModel):
             verified = choose(out.logits, temperature)[0]
             accepted = int((block[0, 1:] == verified[:-1]).long().cumprod(0).sum())
             tokens = torch.cat([tokens, block[:, 1 : 1 + accepted], verified[None, accepted : accepted + 1]], dim=1)
-            target_cache.crop(-(size - accepted - 1))  # keep the anchor and the accepted tokens
+            rejected = size - accepted - 1
+            if rejected or recording:  # keep the anchor and the accepted tokens (crop(0) trims the recorded states)
+                target_cache.crop(-rejected)
             context = self.context_of(out.hidden_states)[:, : accepted + 1]
         new = tokens[0, prompt_len : prompt_len + max_new_tokens].tolist()
         for i, token in enumerate(new):
@@ -284,6 +293,14 @@ class DFlashDraftModel(DFlashNetwork, Qwen3PreTrainedModel):
                 new = new[: i + 1]
                 break
         return torch.cat([input_ids, torch.tensor([new], dtype=torch.long, device=input_ids.device)], dim=1)
+
+
+def target_cache_for(target) -> DynamicCache:
+    """An empty cache of `target`'s layer types (linear-attention, sliding-window and full-attention layers), as its
+    `generate` builds; a bare one on transformers versions whose DynamicCache takes no config."""
+    if "config" in inspect.signature(DynamicCache.__init__).parameters:
+        return DynamicCache(config=target.config)
+    return DynamicCache()
 
 
 def choose(logits: torch.Tensor, temperature: float) -> torch.Tensor:

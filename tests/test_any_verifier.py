@@ -1,6 +1,7 @@
 """Training and stores for any verifier: `python -m drafters.training.train --verifier DIR` and `python -m
-drafters.training.ngram_build --verifier DIR` on tiny random verifiers of three architectures (Llama, Qwen3 and GPT-2,
-whose config has no key/value heads, MLP width or RoPE, and whose final norm is `transformer.ln_f`), saved as plain
+drafters.training.ngram_build --verifier DIR` on tiny random verifiers of four architectures (Llama, Qwen3, GPT-2,
+whose config has no key/value heads, MLP width or RoPE, and whose final norm is `transformer.ln_f`, and Qwen3.5, whose
+linear-attention layers keep recurrent and convolution state instead of keys and values), saved as plain
 folders with a byte tokenizer (with a chat template, and without one for GPT-2): each trains from the command line,
 loads for its verifier and decodes losslessly, a DFlash export loads through its own model code, a drafter or store is
 refused for another verifier, and the embedded default given as a folder is trained exactly as the built-in path
@@ -27,11 +28,13 @@ from drafters.training.dflash import dflash_config, dflash_layers
 from drafters.training.distill import synthetic_user_turns
 from drafters.training.models import final_norm
 from hybrid.drafter_choice import shipped_fingerprint
-from hybrid.testing import byte_tokenizer, check_greedy_lossless, tiny_model
+from hybrid.testing import STATE_ARCHITECTURES, byte_tokenizer, check_greedy_lossless, tiny_model
 from schedulers import FixedScheduler
 from verifiers.prompts import encode_prompt
 
-VERIFIERS = {"llama": True, "qwen3": True, "gpt2": False}  # architecture: whether its tokenizer has a chat template
+# Architecture: whether its tokenizer has a chat template. Qwen3.5: a Gated DeltaNet (linear-attention) layer, then a
+# full-attention one.
+VERIFIERS = {"llama": True, "qwen3": True, "gpt2": False, "qwen3_5": True}
 PROMPTS = [f"Explain {topic} in one line." for topic in ("tides", "bread", "rust", "chess", "rain", "jazz", "glue")]
 GENERATION = ["--gen-shards", "2", "--gen-batch", "4", "--max-new-tokens", "24"]
 TRAINING = ["--doc-tokens", "0", "--steps", "2", "--seqs-per-step", "2", "--anchors-per-seq", "4"]
@@ -41,7 +44,9 @@ TRAINING += ["--block-size", "4", "--draft-vocab", "64", "--save-every", "1", "-
 def save_verifier(folder: Path, arch: str, seed: int = 1) -> Path:
     """A tiny random verifier and its byte tokenizer, written as any transformers checkpoint folder is."""
     tokenizer = byte_tokenizer(chat_template=VERIFIERS[arch])
-    model = tiny_model(arch, len(tokenizer), 2, seed=seed, max_position_embeddings=256)
+    # Two decoder layers each: a state architecture's tiny model has a state layer and an attention layer per unit.
+    units = 1 if arch in STATE_ARCHITECTURES else 2
+    model = tiny_model(arch, len(tokenizer), units, seed=seed, max_position_embeddings=256)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
@@ -88,7 +93,7 @@ def test_a_block_drafter_trained_for_any_verifier_decodes_losslessly_with_it(wor
 def test_a_dflash_drafter_trained_for_any_verifier_is_a_folder_its_own_code_and_hybrid_run(world, arch, one_thread):
     """`--arch dflash` writes a DFlash folder: it reads layers below the verifier's last (hidden_states[L] is
     final-normed in transformers, not in vLLM or SGLang), names its verifier, loads through `AutoModel` with the weight
-    names and forward of hybrid's drafter, and decodes losslessly under hybrid."""
+    names and forward of hybrid's drafter, and decodes losslessly under hybrid and through its own `spec_generate`."""
     out = train_for(world, arch, "dflash")
     model, tokenizer = load(world["folders"][arch])
     config = json.loads((out / "config.json").read_text())
@@ -112,6 +117,10 @@ def test_a_dflash_drafter_trained_for_any_verifier_is_a_folder_its_own_code_and_
         expected = hybrid_forward(drafter, target_hidden, noise, positions)
         got = loaded(positions, noise_embedding=noise, target_hidden=target_hidden)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    prompt = encode_prompt(tokenizer, "Explain jazz in one line.")  # and its own spec_generate decodes losslessly
+    reference = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=16, do_sample=False)
+    decoded = loaded.spec_generate(target=model, input_ids=prompt, max_new_tokens=16)
+    assert decoded.tolist() == reference.tolist()  # no end-of-sequence token: 16 new tokens each
 
 
 @pytest.mark.parametrize("dtype, loads_in", [("bfloat16", ("bfloat16", "float32")), ("float16", ("float16",))])

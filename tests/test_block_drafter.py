@@ -103,6 +103,28 @@ def test_training_computes_what_drafting_computes(world):
         torch.testing.assert_close(drafting_logits(verifier, drafter, ids, a), trained[j], atol=1e-3, rtol=1e-3)
 
 
+@pytest.mark.parametrize("arch", ["qwen3_5", "jamba"])
+def test_a_verifier_with_state_layers_serves_the_states_the_drafter_trains_on(arch, tmp_path, one_thread):
+    """A Qwen3.5 verifier (Gated DeltaNet, then full attention) or a Jamba one (Mamba, then attention): the block
+    drafter built for its geometry reads at draft time the hidden states that training reads from a cacheless
+    forward over the whole sequence, and decoding with it (after a lookup too) is lossless."""
+    verifier = tiny_model(arch, VOCAB, 1, seed=1)
+    drafter = random_block_drafter(verifier, seed=0, block_size=BLOCK)
+    answers = verifier.generate(torch.tensor([[3, 9, 4, 1]]), max_new_tokens=26, do_sample=False)
+    sequences = [{"ids": answers[0].tolist(), "prompt_len": 4, "source": "generated"}]
+    store = build_features(verifier, sequences, tmp_path, drafter.hidden_layers, top_k=4, log=lambda *a: None)
+    ids = torch.tensor(store.sequence(0)["ids"], dtype=torch.long)
+    anchors = [5, 12, 20, 27]
+    trained, _ = training_logits(drafter, verifier, store, anchors)
+    for j, a in enumerate(anchors):
+        torch.testing.assert_close(drafting_logits(verifier, drafter, ids, a), trained[j], atol=1e-3, rtol=1e-3)
+    for each in (drafter, random_block_drafter(verifier, seed=1, block_size=BLOCK, steps=2, lookup_ngram=1)):
+        report = check_greedy_lossless(
+            verifier, torch.tensor([[5, 9, 5, 9, 3]]), each, FixedScheduler(each.node_budget), max_new_tokens=30
+        )
+        assert sum(report.stats.drafted) > 0
+
+
 def test_a_block_never_sees_later_context_or_other_blocks(world):
     verifier, drafter, store = world
     vmap = VocabMap(drafter.model.draft_vocab, VOCAB)

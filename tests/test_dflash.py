@@ -1,6 +1,7 @@
 """The DFlash drafter: it reads z-lab's folder format and drafts what the reference forward drafts, decoding with it
-is lossless (greedy, seeded sampling, batches, static shapes), `--arch dflash` trains and exports a folder it loads
-back, and bad folders fail naming the field and the fix."""
+is lossless (greedy, seeded sampling, batches, static shapes), for Qwen3 and Llama targets and for a Qwen3.5 target,
+whose Gated DeltaNet layers keep recurrent state that every rollback restores, `--arch dflash` trains and exports a
+folder it loads back, and bad folders fail naming the field and the fix."""
 
 from __future__ import annotations
 
@@ -26,11 +27,14 @@ from drafters.training.batches import VocabMap, block_batch
 from drafters.training.dflash import dflash_forward, dflash_layers
 from drafters.training.distill import build_features
 from drafters.training.train import parser, train
-from hybrid.testing import check_greedy_lossless, check_sampled_identical, tiny_model
+from hybrid.testing import STATE_ARCHITECTURES, check_greedy_lossless, check_sampled_identical, tiny_model
 from schedulers import FixedScheduler
 from verifiers.verifier import Verifier
 
 VOCAB, MASK = 64, 7
+# Targets of the published drafters' kinds: Qwen3 and Llama (LLaMA3.1-8B-DFlash), and Qwen3.5, whose z-lab drafters read
+# their target's layers as for Qwen3 while its Gated DeltaNet layers keep recurrent and convolution state.
+TARGETS = ("qwen3", "llama", "qwen3_5")
 PROPERTY = settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 # Config features of the published drafters: plain full attention (Qwen3-*-DFlash-b16, LLaMA3.1), causal sliding
 # window layers (Qwen3.6-27B-DFlash: [S, S, S, S, F]), YaRN RoPE (gpt-oss-*-DFlash).
@@ -43,6 +47,12 @@ VARIANTS = {
     },
     "yarn": {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}},
 }
+
+
+def tiny_target(arch: str, seed: int = 1):
+    """A tiny target of 2 decoder layers; for Qwen3.5 a Gated DeltaNet (linear-attention) layer, then a full-attention
+    one."""
+    return tiny_model(arch, VOCAB, 1 if arch in STATE_ARCHITECTURES else 2, seed=seed)
 
 
 def write_dflash_folder(path: Path, verifier, block_size: int = 6, seed: int = 0, variant: str = "full", **overrides):
@@ -156,19 +166,20 @@ def drafting_logits(verifier, drafter, ids: list[int], anchor: int) -> torch.Ten
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    """(verifier, folder) per (architecture, variant): random published-format drafters for tiny Qwen3/Llama models."""
+    """(verifier, folder) per (architecture, variant): random published-format drafters for tiny Qwen3, Llama and
+    Qwen3.5 models."""
     root = tmp_path_factory.mktemp("dflash")
     made = {}
-    for arch in ("qwen3", "llama"):
-        verifier = tiny_model(arch, VOCAB, 2, seed=1)
+    for arch in TARGETS:
+        verifier = tiny_target(arch)
         for variant in VARIANTS:
             made[arch, variant] = verifier, write_dflash_folder(root / f"{arch}-{variant}", verifier, variant=variant)
     return made
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+@pytest.mark.parametrize("arch", TARGETS)
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_drafts_are_the_reference_forwards(folders, arch, variant):
+def test_drafts_are_the_reference_forwards(folders, arch, variant, one_thread):
     """At any anchor, the block logits equal the reference model's, recomputed from scratch."""
     verifier, folder = folders[arch, variant]
     drafter = DFlashDrafter.from_pretrained(folder, verifier)
@@ -205,11 +216,13 @@ class CheckedDFlashDrafter(DFlashDrafter):
         return logits
 
 
-@pytest.mark.parametrize("static", [None, "static"])
-def test_the_context_follows_the_cache_through_generate(folders, static):
+# Qwen3.5's recurrent layers are served on the dynamic path only (a static one is refused by name).
+@pytest.mark.parametrize(("arch", "static"), [("qwen3", None), ("qwen3", "static"), ("qwen3_5", None)])
+def test_the_context_follows_the_cache_through_generate(folders, arch, static, one_thread):
     """Inside `generate` (rollbacks, uneven batches, the static layout), every drafted block is the reference's for
-    the tokens committed so far: the side buffer holds exactly the committed context."""
-    verifier, folder = folders["qwen3", "sliding"]
+    the tokens committed so far: the side buffer holds exactly the committed context, and a Qwen3.5 target's states
+    after a rollback of its recurrent layers are those of a forward over the committed tokens."""
+    verifier, folder = folders[arch, "sliding"]
     drafter = CheckedDFlashDrafter.from_pretrained(folder, verifier)
     drafter.folder, drafter.verifier = folder, verifier
     CheckedDFlashDrafter.checked = 0
@@ -300,6 +313,54 @@ def test_rows_drafted_in_one_forward_decode_as_batch_one(folders, data):
     input_ids, mask, _ = data.draw(padded_batches(VOCAB), label="batch")
     static = data.draw(st.sampled_from([None, "static"]), label="cache_implementation")
     check_rows_decode_as_batch_one(verifier, drafter, input_ids, mask, static, max_new_tokens=8)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize(("block_size", "max_nodes", "lookup"), [(6, None, False), (4, 8, True), (5, None, True)])
+def test_greedy_decoding_of_a_qwen3_5_target_with_a_dflash_drafter_equals_generate(
+    folders, variant, block_size, max_nodes, lookup, one_thread
+):
+    """A Qwen3.5 target (a Gated DeltaNet layer, then a full-attention one) and a drafter in the published format:
+    chains and trees, alone and after a lookup, through the processors, decode as `generate` does."""
+    verifier, folder = folders["qwen3_5", variant]
+    drafter = DFlashDrafter.from_pretrained(folder, verifier, block_size=block_size, max_nodes=max_nodes)
+    if lookup:
+        drafter = ChainDrafter([PromptLookupDrafter(max_ngram=2, max_draft_len=3), drafter])
+    kwargs = {"repetition_penalty": 1.3} if lookup else {}
+    for prompt in ([[3, 4, 5, 6, 3, 4]], [[9]], [[1, 2, 1, 2, 1, 2, 1, 2, 1]]):
+        report = check_greedy_lossless(
+            verifier, torch.tensor(prompt), drafter, FixedScheduler(drafter.node_budget), max_new_tokens=16, **kwargs
+        )
+        assert sum(report.stats.drafted) > 0
+
+
+@pytest.mark.parametrize(
+    ("seed", "variant", "lookup", "temperature", "top_k"),
+    [
+        (0, "full", False, 1.0, None),
+        (1, "sliding", True, 0.5, 8),
+        (2, "yarn", False, 1.0, 8),
+        (3, "sliding", True, 1.0, None),
+    ],
+)
+def test_seeded_sampling_of_a_qwen3_5_target_with_a_dflash_drafter_equals_generate(
+    folders, seed, variant, lookup, temperature, top_k, one_thread
+):
+    """The same target sampled: after the same seed, `hybrid.generate` draws `generate`'s tokens."""
+    verifier, folder = folders["qwen3_5", variant]
+    drafter = DFlashDrafter.from_pretrained(folder, verifier, block_size=4 + seed % 3)
+    if lookup:
+        drafter = ChainDrafter([PromptLookupDrafter(max_ngram=2, max_draft_len=3), drafter])
+    check_sampled_identical(
+        verifier,
+        torch.tensor([[3, 4, 5, 6, 3]]),
+        drafter,
+        seed=seed,
+        scheduler=FixedScheduler(1 + seed % 3),
+        max_new_tokens=16,
+        temperature=temperature,
+        top_k=top_k,
+    )
 
 
 def test_sampled_drafts_report_the_distribution_they_were_drawn_from(folders):

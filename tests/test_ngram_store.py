@@ -150,9 +150,15 @@ def test_the_store_continues_the_context_match_then_the_model_fills_the_block():
     assert draft.tokens[:6].tolist() == [31, 32, 33, 34, 35, 36] and len(draft) == 7
 
 
+# A sliding window, and verifiers with state layers: Qwen3.5's Gated DeltaNet, Jamba's Mamba (then attention).
+VERIFIERS = {"mistral": (2, 5), "qwen3_5": (1, None), "jamba": (1, None)}  # architecture: (layers, sliding window)
+
+
+@pytest.mark.parametrize("arch", sorted(VERIFIERS))
 @pytest.mark.parametrize("own_answers", [True, False])
-def test_drafters_with_a_store_stay_lossless(own_answers):
-    verifier = tiny_model("mistral", VOCAB, 2, seed=4, sliding_window=5)
+def test_drafters_with_a_store_stay_lossless(arch, own_answers, one_thread):
+    layers, window = VERIFIERS[arch]
+    verifier = tiny_model(arch, VOCAB, layers, seed=4, sliding_window=window)
     prompt = torch.tensor([[3, 7, 11, 3]])
     if own_answers:  # the store holds this very answer: its drafts are accepted
         answer = verifier.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=30, do_sample=False)
