@@ -58,6 +58,8 @@ class ModelDrafter(Drafter):
     def _catch_up(self, committed: torch.Tensor) -> torch.Tensor:
         """Bring the cache to `committed` (reusing the common prefix); return logits after its last token."""
         common = common_prefix_length(self._fed, committed[:-1])  # keep at least the last token to feed
+        if common < self.lm.rollback_floor():  # recurrent states reach back only so far: read the sequence afresh
+            common = 0
         if common == 0:
             logits = self.lm.prefill(committed[None], None, capacity=0)
         else:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 import transformers
 from transformers import DynamicCache
+from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 import hybrid
 from drafters import Draft, DraftContext, Drafter
@@ -414,6 +415,10 @@ STATE_ARCHITECTURES = {
 }
 # The ones that also have attention layers.
 HYBRID_STATE = ("qwen3_5", "qwen3_next", "jamba", "falcon_h1")
+# The property strategies draw these as any other verifier.
+ARCHITECTURES |= {
+    name: STATE_ARCHITECTURES[name] for name in ("qwen3_5", "qwen3_next", "jamba", "falcon_h1", "mamba2", "mamba")
+}
 
 
 def tiny_model(
@@ -429,8 +434,7 @@ def tiny_model(
 
     initializer_range 0.3 makes logits spread out, so top-2 near ties are as rare as in real models.
     """
-    builder = ARCHITECTURES[arch] if arch in ARCHITECTURES else STATE_ARCHITECTURES[arch]
-    config, model_cls = builder(vocab_size, num_layers, sliding_window)
+    config, model_cls = (ARCHITECTURES | STATE_ARCHITECTURES)[arch](vocab_size, num_layers, sliding_window)
     config.max_position_embeddings = max_position_embeddings
     config.initializer_range = 0.3
     config.tie_word_embeddings = False
@@ -829,6 +833,8 @@ def check_cache_matches_prefill(
             model(sequences[:, t : t + 1], cache=fresh, use_cache=True)
     assert cache.get_seq_length() == fresh.get_seq_length() == sequences.shape[1] - 1
     for i, (mine, theirs) in enumerate(zip(cache.layers, fresh.layers)):
+        if isinstance(theirs, LinearAttentionCacheLayerMixin):  # recurrent / conv states: the one-token kernel's
+            _check_states_match(i, mine, theirs, atol)
         if getattr(theirs, "keys", None) is None:  # a layer that stores nothing (KV sharing: it reads another's)
             continue
         for name in ("keys", "values"):
@@ -836,6 +842,19 @@ def check_cache_matches_prefill(
             assert a.shape == b.shape, f"layer {i} {name}: {tuple(a.shape)} vs fresh prefill {tuple(b.shape)}"
             err = float((a - b).abs().max()) if a.numel() else 0.0
             assert err <= atol, f"layer {i} {name} differs from a fresh prefill by {err:.3g}"
+
+
+def _check_states_match(i: int, mine, theirs, atol: float) -> None:
+    """Layer i's recurrent and convolution states equal a fresh decode's, within `atol` of their largest magnitude
+    (a verify's convolution runs over a wider window, which may round otherwise)."""
+    for name in ("conv_states", "recurrent_states"):
+        for state, (a, b) in enumerate(zip(getattr(mine, name).values(), getattr(theirs, name).values())):
+            assert (a is None) == (b is None), f"layer {i} {name}[{state}]: held by one cache only"
+            if a is None:
+                continue
+            assert a.shape == b.shape, f"layer {i} {name}[{state}]: {tuple(a.shape)} vs fresh {tuple(b.shape)}"
+            err = float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp(min=1))
+            assert err <= atol, f"layer {i} {name}[{state}] differs from a fresh decode by {err:.3g}"
 
 
 def sequence_distribution(model, input_ids: torch.Tensor, num_tokens: int, **kwargs) -> dict[tuple[int, ...], float]:

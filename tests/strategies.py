@@ -28,7 +28,7 @@ from hybrid.testing import (
     tiny_model,
 )
 from schedulers import ConfidenceScheduler, CostAwareScheduler, FixedScheduler, HeuristicScheduler
-from verifiers.support import masked_window_problem, row_mask_problem, slot_position_problem
+from verifiers.support import keeps_states, masked_window_problem, row_mask_problem, slot_position_problem
 
 # Architectures whose forward over a whole sequence is not how `generate` decodes it: Moshi's own mask ignores the
 # window its cache keeps, so past the window a fresh forward gives other states than decoding does.
@@ -48,9 +48,10 @@ def verifiers(draw, fresh_forward_reference: bool = False):
 
 
 def cache_layouts(model):
-    """The cache layouts to draw for `model`: the static one only where the model takes hybrid's per-row masks
-    (tests/test_model_support.py checks the refusal elsewhere)."""
-    return st.sampled_from([None, "static"] if row_mask_problem(model) is None else [None])
+    """The cache layouts to draw for `model`: the static one only where the model takes hybrid's per-row masks and
+    keeps no recurrent state (tests/test_model_support.py checks the refusals elsewhere)."""
+    static = row_mask_problem(model) is None and not keeps_states(model)
+    return st.sampled_from([None, "static"] if static else [None])
 
 
 def prompts(vocab_size: int, max_len: int = 12):
@@ -67,9 +68,10 @@ def attention_window(model) -> int | None:
 def holes(draw, length: int, model=None):
     """Positions to mask inside a prompt of `length` tokens, never its first or last: none, or 1-3 of them. Where
     `model` attends within a window, they are drawn among the last `window` positions, where a masked token changes
-    what a window holds; models that cannot honour such a hole (`masked_window_problem`, `slot_position_problem`:
-    refused) get none."""
-    if length < 3 or model is None or masked_window_problem(model) or slot_position_problem(model):
+    what a window holds; models that cannot honour such a hole (`masked_window_problem`, `slot_position_problem`,
+    `keeps_states`: refused) get none."""
+    refused = masked_window_problem(model) or slot_position_problem(model) or keeps_states(model)
+    if length < 3 or model is None or refused:
         return []
     window = attention_window(model)
     low = 1 if window is None else max(1, length - 1 - window)

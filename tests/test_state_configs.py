@@ -34,9 +34,11 @@ def quiet():
         transformers.logging.set_verbosity(verbosity)
 
 
-def test_state_architectures_are_kept_apart():
-    assert not set(STATE_ARCHITECTURES) & set(ARCHITECTURES)
+def test_the_properties_draw_each_kind_of_state_layer():
+    """A Gated DeltaNet hybrid, a Mamba-attention hybrid and a pure state-space model, among the verifiers every
+    property draws."""
     assert set(HYBRID_STATE) <= set(STATE_ARCHITECTURES)
+    assert {"qwen3_5", "jamba", "mamba2"} <= set(ARCHITECTURES)
 
 
 @pytest.mark.parametrize("num_layers", [1, 2])

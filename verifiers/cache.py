@@ -145,7 +145,14 @@ class SharedCache(Cache):
         states += [(0, True)] * (len(self.sources) - len(states))  # a looped model's extra layers: attention
         super().__init__(layers=[_cache_layer(self, *layer) for layer in states])
         self.state_layers = [layer for layer in self.layers if isinstance(layer, RowStates)]
-        self._recorded: int | None = None  # q of the last forward, until its rows' states are settled
+        # Rows' lengths when the states' recording began, and the tokens fed since (None: nothing to settle)
+        self._record_start: list[int] | None = None
+        self._fed_since = 0
+        self._recording = False  # whether the forwards since `_record_start` recorded their states
+        # Whether a rollback may reach back past the last forward (a drafter's, after its one-token forwards): then
+        # every forward records and the states settle only after a rollback. A verifier rolls back within its last
+        # forward, so a forward of one token records nothing and runs as `generate`'s step does.
+        self.rollback_across_forwards = False
         self.capacity = max(int(capacity), 1)
         self.static = static
         self.lengths = [0] * batch_size  # tokens cached per row
@@ -213,15 +220,9 @@ class SharedCache(Cache):
         fed tokens before it. Either way it is written to slot lengths[b] + i.
         """
         self.reserve(max(self.lengths) + q)
-        self.settle_states()
         prefill = not any(self.lengths)
         if self.state_layers:
-            if tree is not None:
-                raise ValueError("a model with recurrent or convolution states verifies chains, not token trees")
-            if q > 1 and not prefill:  # the state after each fed token, for the rollback (`settle_states`)
-                for layer in self.state_layers:
-                    layer.record(q)
-            self._recorded = q
+            self._begin_states(q, prefill, tree is not None)
         starts = torch.tensor(self.lengths, device=self.device)
         self._forward_start = list(self.lengths)
         self._write_index = starts[:, None] + torch.arange(q, device=self.device)
@@ -333,21 +334,51 @@ class SharedCache(Cache):
 
     # -- rollback and finished rows ------------------------------------------------------------------
 
+    def _begin_states(self, q: int, prefill: bool, tree: bool) -> None:
+        """Before a forward of q tokens: settle what earlier forwards left (`settle_states`), and have the state
+        layers record the state after each fed token where a rollback may undo it."""
+        if tree:
+            raise ValueError("a model with recurrent or convolution states verifies chains, not token trees")
+        rolled_back = self._record_start is not None and any(
+            n < start + self._fed_since for n, start in zip(self.lengths, self._record_start)
+        )
+        record = not prefill and (q > 1 or self.rollback_across_forwards)
+        if not self.rollback_across_forwards or rolled_back or record != self._recording:
+            self.settle_states()
+        if self._record_start is None:
+            self._record_start, self._fed_since, self._recording = list(self.lengths), 0, record
+        if record:
+            for layer in self.state_layers:
+                layer.record(q)
+        self._fed_since += q
+
+    @torch.inference_mode()
     def settle_states(self) -> None:
-        """Keep, in every state layer, each row's state after the tokens it kept of the last forward (a recorded
-        verify's history, `verifiers.state_layers`). Runs before the next forward and before rows are selected or
-        read, once the accepted lengths are final."""
-        if self._recorded is None:
+        """Keep, in every state layer, each row's state after the tokens it kept of the forwards since the last
+        settling (their recorded states, `verifiers.state_layers`). Runs before a forward and before rows are
+        selected or read, once the accepted lengths are final."""
+        if self._record_start is None:
             return
-        q, self._recorded = self._recorded, None
-        kept = [n - start for n, start in zip(self.lengths, self._forward_start)]
-        if any(not 0 <= n <= q for n in kept):
+        fed, recorded = self._fed_since, self._recording
+        kept = [n - start for n, start in zip(self.lengths, self._record_start)]
+        self._record_start, self._fed_since, self._recording = None, 0, False
+        if any(not 0 <= n <= fed for n in kept) or (not recorded and any(n != fed for n in kept)):
             raise RuntimeError(
-                f"rows of recurrent state kept {kept} tokens of a forward of {q}: a rollback past the last forward "
-                "cannot be undone"
+                f"rows of recurrent state kept {kept} of the {fed} tokens fed since their states were last settled, "
+                f"{'recorded' if recorded else 'unrecorded'}: such a rollback cannot be undone"
             )
-        for layer in self.state_layers:
-            layer.settle(kept, q)
+        if recorded:
+            for layer in self.state_layers:
+                layer.settle(kept)
+
+    def rollback_floor(self, row: int) -> int:
+        """The shortest length row `row` can be rolled back to: 0 for keys and values alone; with recurrent states,
+        the length at which they were last settled, unless the forwards since recorded them."""
+        if not self.state_layers:
+            return 0
+        if self._record_start is None:
+            return self.lengths[row]
+        return self._record_start[row] if self._recording else self.lengths[row]
 
     def rollback(self, drop: list[int]) -> None:
         """Forget the last drop[b] tokens of row b (rejected drafts): the lengths move back, nothing else."""

@@ -10,10 +10,11 @@ cannot undo a token that was folded in, so a verify of q tokens records instead:
   decodes with, and hands the cache the state after each of them;
 - the convolution window grows to K + q columns, so the window after any prefix is a slice of it.
 
-Once the row's kept count n is known, `settle` keeps the state after n tokens and the window's columns n .. n + K - 1.
+Forwards recorded one after another append to both (a drafter's one-token forwards). Once a row's kept count n is
+known, `settle` keeps the state after n tokens and the window's columns n .. n + K - 1.
 transformers' own `crop` is not used: it restores one count for every row, and its history misses the state after the
-first token when a whole draft is rejected. A forward of one token records nothing, so it is `generate`'s own step,
-bit for bit; it cannot be rolled back, and the engine always keeps the token it feeds alone.
+first token when a whole draft is rejected. A verifier's forward of one token records nothing, so it is `generate`'s
+own step, bit for bit; it cannot be rolled back, and the engine always keeps the token it feeds alone.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ class RowStates(LinearAttentionLayer):
 
     def __init__(self, number_of_states: int = 1):
         LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
-        self.recorded_width = 0  # q of the forward in flight or not yet settled (0: none recorded)
 
     @property
     def holds_states(self) -> bool:
@@ -37,19 +37,17 @@ class RowStates(LinearAttentionLayer):
         return any(self.has_previous_state.values())
 
     def record(self, q: int) -> None:
-        """Before a forward of q > 1 tokens: keep the state after each of them."""
+        """Before a forward of q tokens: keep the state after each of them, after those of the forwards recorded
+        since the last `settle` (transformers appends a forward's states to the history and its inputs to the
+        convolution window)."""
+        if not self.record_past:
+            # One list per state (transformers' dict.fromkeys shares one list between them)
+            self.recurrent_states_history = {i: [] for i in range(self.number_of_states)}
         self.record_past = True
         self.recurrent_states_to_keep = q
-        # One list per state (transformers' dict.fromkeys shares one list between them)
-        self.recurrent_states_history = {i: [] for i in range(self.number_of_states)}
-        self.recorded_width = q
 
-    def settle(self, kept: list[int], q: int) -> None:
-        """After a forward of q tokens, row b keeps its first kept[b] of them: the states after them stay."""
-        if not self.recorded_width:
-            if any(n != q for n in kept):
-                raise RuntimeError(f"a forward of {q} unrecorded tokens cannot be rolled back to {kept}")
-            return
+    def settle(self, kept: list[int]) -> None:
+        """Row b keeps the first kept[b] tokens fed since the recording began: the states after them stay."""
         index = torch.tensor(kept)
         for i in range(self.number_of_states):
             if self.is_conv_states_initialized[i]:
@@ -65,7 +63,6 @@ class RowStates(LinearAttentionLayer):
         self.record_past = False
         self.recurrent_states_to_keep = 0
         self.recurrent_states_history = {}
-        self.recorded_width = 0
 
     def select(self, index: torch.Tensor) -> None:
         """Keep the rows `index` (settled states only)."""

@@ -220,11 +220,6 @@ def state_refusal(model, role: str, several: bool, static: bool) -> str | None:
             "cached sequence. Pass drafter=None (one token per forward, as model.generate decodes), or decode with "
             "model.generate"
         )
-    if role != "verifier":
-        return (
-            f"{name} keeps recurrent state, which hybrid rolls back for a verifier only: a {role} drafts with several "
-            "forwards between rollbacks. Pick a drafter model with attention layers only"
-        )
     if static:
         return (
             f"cache_implementation='static' compiles one graph per verify width, and {name}'s recurrent layers record "

@@ -68,6 +68,7 @@ class Verifier:
         )
         self.batches = self.row_mask_problem is None
         self.keeps_states = keeps_states(model)
+        self.role = role
         self.model = model
         self.hidden_layers = tuple(hidden_layers)
         text = model.config.get_text_config()
@@ -162,6 +163,8 @@ class Verifier:
         )
         self.cache.mark_masked(masks)
         self.cache.prefill_by_own_mask = own_mask
+        # A drafter rolls back past its one-token forwards (`SharedCache.rollback_across_forwards`)
+        self.cache.rollback_across_forwards = self.role != "verifier"
         lengths = [row.shape[0] for row in rows]
         width = max(lengths)
         # Right-padded: a real token only sees earlier slots, so the padding needs no mask; its slots lie
@@ -362,6 +365,11 @@ class Verifier:
     def rollback(self, num_tokens: int) -> None:
         """Forget the last `num_tokens` cached tokens (rejected drafts)."""
         self.rollback_rows([num_tokens])
+
+    def rollback_floor(self, row: int = 0) -> int:
+        """The shortest length `row` can be rolled back to (`SharedCache.rollback_floor`): 0 for keys and values
+        alone; a model with recurrent states reaches back only over the forwards since its states last settled."""
+        return 0 if self.cache is None else self.cache.rollback_floor(row)
 
     # -- the forward --------------------------------------------------------------------------------------
 
