@@ -375,6 +375,8 @@ def judge(model_type: str) -> dict:
             if not _a_checks_finding(error):
                 return {"verdict": "hybrid error", "detail": f"static: AssertionError: {error}"}
             differs.append(f"static: {str(error).splitlines()[0]}")
+        except (ValueError, TypeError) as error:
+            notes.append(f"static refused: {error}")
     else:
         notes.append(f"no static path: {no_static}")
     if differs:

@@ -48,10 +48,9 @@ def verifiers(draw, fresh_forward_reference: bool = False):
 
 
 def cache_layouts(model):
-    """The cache layouts to draw for `model`: the static one only where the model takes hybrid's per-row masks and
-    keeps no recurrent state (tests/test_model_support.py checks the refusals elsewhere)."""
-    static = row_mask_problem(model) is None and not keeps_states(model)
-    return st.sampled_from([None, "static"] if static else [None])
+    """The cache layouts to draw for `model`: the static one only where the model takes hybrid's per-row masks
+    (tests/test_model_support.py checks the refusal elsewhere)."""
+    return st.sampled_from([None, "static"] if row_mask_problem(model) is None else [None])
 
 
 def prompts(vocab_size: int, max_len: int = 12):

@@ -126,6 +126,8 @@ class SharedCache(Cache):
             Buffers are allocated once at this size; a longer sequence grows them (a copy), never per step.
         hidden_width: width of the kept hidden states per token (0: none kept).
         static: the static-shape layout (module docstring): attention reads every slot, capacity is final.
+        verify_width: the widest forward after the prefill, whose recurrent states are recorded per fed token
+            (`verifiers.state_layers`): counted in the memory check.
     """
 
     def __init__(
@@ -136,6 +138,7 @@ class SharedCache(Cache):
         hidden_width: int = 0,
         static: bool = False,
         windows_by_mask: bool = False,
+        verify_width: int = 1,
     ):
         text = model.config.get_text_config()
         self.windows_by_mask = windows_by_mask
@@ -157,7 +160,7 @@ class SharedCache(Cache):
         self.static = static
         self.lengths = [0] * batch_size  # tokens cached per row
         self.device, self.dtype, self.config = model.device, model.dtype, model.config
-        check_fits(model, batch_size, self.capacity, hidden_width)
+        check_fits(model, batch_size, self.capacity, hidden_width, verify_width)
         self.side: dict[str, torch.Tensor] = {}  # name -> [rows, capacity, *per_token], see `side_buffer`
         self.side_lengths: dict[str, list[int]] = {}  # name -> its valid tokens per row
         if hidden_width:  # where the drafter reads them: by the head (the last GPU under device_map="auto")

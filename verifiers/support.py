@@ -29,10 +29,16 @@ SEVERAL_TOKENS = 3
 
 
 def check_support(
-    model, role: str = "verifier", max_width: int = 1, static: bool = False, hidden_layers: tuple[int, ...] = ()
+    model,
+    role: str = "verifier",
+    max_width: int = 1,
+    static: bool = False,
+    hidden_layers: tuple[int, ...] = (),
+    compiled: bool = False,
 ) -> str | None:
     """Raise, naming the fix, unless `model` can serve as `role` ("verifier" or "drafter") with forwards of up to
-    `max_width` tokens, in the static layout where `static`, keeping the hidden states of `hidden_layers`.
+    `max_width` tokens, in the static layout where `static` (its step `compiled`, as on a GPU), keeping the hidden
+    states of `hidden_layers`.
 
     Returns why the model cannot take per-row masks (`row_mask_problem`; None if it can): it then decodes one row per
     forward, chains only."""
@@ -46,7 +52,7 @@ def check_support(
     cache_layer_sources(text)  # raises for a looped model whose loops read the cache past Cache.update
     # A verifier fed one token per forward (drafter=None) runs what `generate` runs; anything wider needs a mask.
     several = role != "verifier" or max_width > 1
-    refusal = state_refusal(model, role, several, static)
+    refusal = state_refusal(model, role, several, compiled)
     if refusal:
         raise ValueError(refusal)
     problem = mask_problem(text)
@@ -202,7 +208,7 @@ def keeps_states(model) -> bool:
     )
 
 
-def state_refusal(model, role: str, several: bool, static: bool) -> str | None:
+def state_refusal(model, role: str, several: bool, compiled: bool) -> str | None:
     """Why `model`'s recurrent or convolution state cannot be served so (None if it can, or keeps none). hybrid keeps
     the state of transformers' Cache layers per row and rolls a verify back to any prefix
     (`verifiers.state_layers`)."""
@@ -220,11 +226,11 @@ def state_refusal(model, role: str, several: bool, static: bool) -> str | None:
             "cached sequence. Pass drafter=None (one token per forward, as model.generate decodes), or decode with "
             "model.generate"
         )
-    if static:
+    if compiled:
         return (
-            f"cache_implementation='static' compiles one graph per verify width, and {name}'s recurrent layers record "
-            "the state after each verified token in tensors the graph would not own. Drop cache_implementation "
-            "(the dynamic path serves this model)"
+            f"cache_implementation='static' compiles one graph per verify width here, and {name}'s recurrent layers "
+            "record the state after each verified token in tensors of their own, which a CUDA graph would not own. "
+            "Drop cache_implementation (the dynamic path serves this model), or pass disable_compile=True"
         )
     return None
 

@@ -64,7 +64,12 @@ class Verifier:
         # Raises, naming the fix, for a model that cannot serve so; a model that takes no per-row masks (the reason
         # kept here) runs one row per forward, chains only.
         self.row_mask_problem = check_support(
-            model, role=role, max_width=max_width, static=static, hidden_layers=hidden_layers
+            model,
+            role=role,
+            max_width=max_width,
+            static=static,
+            hidden_layers=hidden_layers,
+            compiled=compile_config is not None,
         )
         self.batches = self.row_mask_problem is None
         self.keeps_states = keeps_states(model)
@@ -159,7 +164,13 @@ class Verifier:
         """A fresh cache holding `rows`; the logits after each one's last token. `own_mask`: through the model's own
         mask even where a masked prompt token sits inside a sliding window."""
         self.cache = SharedCache(
-            self.model, len(rows), capacity, self.hidden_width, static=self.static, windows_by_mask=self.batches
+            self.model,
+            len(rows),
+            capacity,
+            self.hidden_width,
+            static=self.static,
+            windows_by_mask=self.batches,
+            verify_width=self.max_width,
         )
         self.cache.mark_masked(masks)
         self.cache.prefill_by_own_mask = own_mask
