@@ -1,6 +1,8 @@
 """The verifiers the experiment commands load by name: `default`, `tiny`, or a local checkpoint folder.
 
 `tiny` is the tests' random Llama (hybrid.testing) with a byte tokenizer: a whole command runs in seconds.
+`qwen3_5-random` is a Qwen3.5-shaped model of about 100M parameters with random weights and the default verifier's
+tokenizer: what a verify costs through Gated DeltaNet layers, and the ceiling and floor of a speed-up there.
 """
 
 from __future__ import annotations
@@ -25,14 +27,51 @@ def load_tiny_model():
     return model, tokenizer
 
 
+def load_qwen3_5_random():
+    """Qwen3.5's layer pattern (three Gated DeltaNet layers to one gated full-attention layer) and head ratios at about
+    100M parameters, seeded: the same random weights in every process."""
+    import torch
+    import transformers
+
+    from verifiers.embedded import load_verifier
+
+    _, tokenizer = load_verifier()  # its 49,152-token vocabulary, so the datasets' prompts encode
+    config = transformers.Qwen3_5TextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=640,
+        intermediate_size=2048,
+        num_hidden_layers=12,
+        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 3,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        linear_num_key_heads=4,
+        linear_num_value_heads=8,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        linear_conv_kernel_dim=4,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = transformers.Qwen3_5ForCausalLM(config).eval()
+    return model, tokenizer
+
+
 def load_pretrained(path: str):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     return AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
 
 
-MODELS = {"default": load_default_model, "tiny": load_tiny_model}
-MODEL_HELP = "default (SmolLM2-135M-Instruct), tiny (random, for tests) or a local checkpoint folder"
+MODELS = {"default": load_default_model, "tiny": load_tiny_model, "qwen3_5-random": load_qwen3_5_random}
+MODEL_HELP = (
+    "default (SmolLM2-135M-Instruct), tiny (random, for tests), qwen3_5-random (random, 100M, Qwen3.5-shaped) or a "
+    "local checkpoint folder"
+)
 
 
 def check_model_name(name: str) -> None:

@@ -35,7 +35,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from verifiers.cache_layers import attention_pattern, cache_layer_sources
+from verifiers.cache_layers import STATE_ONLY, attention_pattern, cache_layer_sources
 from verifiers.memory import CacheMemoryError, check_fits, shape_bytes
 from verifiers.state_layers import RowStates, layer_states
 
@@ -144,9 +144,8 @@ class SharedCache(Cache):
         self.windows_by_mask = windows_by_mask
         self.sources = cache_layer_sources(text)
         self.layer_types, self.window = attention_pattern(text)
-        states = layer_states(text)
-        states += [(0, True)] * (len(self.sources) - len(states))  # a looped model's extra layers: attention
-        super().__init__(layers=[_cache_layer(self, *layer) for layer in states])
+        states = layer_states(text)  # a looped model's extra cache layers are of their source layer's kind
+        super().__init__(layers=[_cache_layer(self, *states[source]) for source in self.sources])
         self.state_layers = [layer for layer in self.layers if isinstance(layer, RowStates)]
         # Rows' lengths when the states' recording began, and the tokens fed since (None: nothing to settle)
         self._record_start: list[int] | None = None
@@ -324,6 +323,8 @@ class SharedCache(Cache):
             return None
         if len(masks) == 1:  # the model maps it to its attention layers; its recurrent layers take no 4-D mask
             return next(iter(masks.values()))
+        if self.state_layers:  # a fed token is never padding: nothing for the recurrent / convolution layers to mask
+            masks |= dict.fromkeys(STATE_ONLY)
         return masks
 
     def commit(self, q: int, hidden: torch.Tensor | None = None) -> None:

@@ -59,6 +59,12 @@ def cache_layer_sources(text_config) -> list[int]:
     looped model (Dory, `recurrent_kv_cache_mode="per_loop"`) one per recurrent layer and loop after the first, in
     the order the model appends them to a cache that has one layer per model layer."""
     layers = list(range(text_config.num_hidden_layers))
+    if getattr(text_config, "loop_num_passes", 1) > 1:  # Inkling2-Loop's passes over a span of its layers
+        raise ValueError(
+            f"{type(text_config).__name__} runs layers {text_config.loop_layer_index_start}.."
+            f"{text_config.loop_layer_index_end - 1} {text_config.loop_num_passes} times, each pass with cache layers "
+            "and a position bias of its own that hybrid's cache does not lay out: decode it with model.generate"
+        )
     loops = getattr(text_config, "n_recurrent_loops", 1)
     if loops == 1 or not text_config.n_recurrent_layers:
         return layers

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from verifiers.cache_layers import storing_layers
 from verifiers.verdicts import built_of_own_modules, least_precise_dtype, probe_tokens, probed
@@ -168,3 +169,29 @@ def _feed_problem(model, width: int) -> str | None:
         if out.logits.shape[1] != end - start:
             return f"its forward, fed {fed}, returns scores for {out.logits.shape[1]} of them"
     return None
+
+
+def records_each_state(model) -> bool:
+    """Whether `model`'s recurrent and convolution layers, asked to record (`recurrent_states_to_keep`), hand the
+    cache the state after each token of a forward and the whole convolution input, as hybrid's rollback needs
+    (`verifiers.state_layers`). A layer that ignores the request hands over the last state alone, which would roll a
+    partly accepted verify back to the wrong token. Told by a forward of 3 tokens after 2, once per kind of model."""
+    return probed(model, _records_each_state, failed=False)
+
+
+def _records_each_state(model) -> bool:
+    tokens, _ = probe_tokens(model, 5)
+    cache = DynamicCache(config=model.config)
+    model(tokens[:, :2], cache=cache, use_cache=True)
+    cache.activate_past_recording(recurrent_states_to_keep=3)
+    layers = [layer for layer in cache.layers if isinstance(layer, LinearAttentionCacheLayerMixin)]
+    for layer in layers:  # one list per state (transformers' own shares one between a layer's states)
+        layer.recurrent_states_history = {i: [] for i in range(layer.number_of_states)}
+    model(tokens[:, 2:], cache=cache, use_cache=True)
+    for layer in layers:
+        for i in range(layer.number_of_states):
+            if layer.is_recurrent_states_initialized[i] and len(layer.recurrent_states_history[i]) != 3:
+                return False
+            if layer.is_conv_states_initialized[i] and layer.conv_states[i].shape[-1] != layer.conv_kernel_size[i] + 3:
+                return False
+    return bool(layers)

@@ -57,6 +57,11 @@ class RowStates(LinearAttentionLayer):
                 self.conv_states[i] = window.gather(2, columns[:, None, :].expand(-1, window.shape[1], -1))
             if self.is_recurrent_states_initialized[i]:
                 after = self.recurrent_states_history[i] + [self.recurrent_states[i]]  # after 0 .. q tokens
+                if len(after) <= max(kept):
+                    raise RuntimeError(
+                        f"the layer recorded {len(after) - 1} states of the tokens fed since it last settled, fewer "
+                        f"than the {max(kept)} a row keeps: its model ignores recurrent_states_to_keep"
+                    )
                 rows = torch.arange(len(kept))
                 chosen = torch.stack([after[n][b] for b, n in zip(rows.tolist(), kept)])
                 self.recurrent_states[i].copy_(chosen)

@@ -18,7 +18,13 @@ from transformers import GenerationMixin, PreTrainedModel
 
 from verifiers.cache import holed_rows
 from verifiers.cache_layers import attention_pattern, cache_fingerprint, cache_layer_sources
-from verifiers.probes import attends_ahead, cache_feed_problem, padding_changes_outputs, scores_depend_on_width
+from verifiers.probes import (
+    attends_ahead,
+    cache_feed_problem,
+    padding_changes_outputs,
+    records_each_state,
+    scores_depend_on_width,
+)
 from verifiers.state_layers import attention_free, layer_states
 
 # Attention implementations that take the cache's 4D additive masks (`SharedCache.attention_mask`). Others
@@ -199,6 +205,12 @@ _RESTARTING_TYPES = {
 }
 
 
+# Models whose attention adds a relative position bias it sizes from the cache's length and offset (Inkling's
+# `get_relative_distance` and hidden-state-conditioned bias): right for one row read to its end, not for rows of other
+# lengths or the static layout's full capacity.
+_CACHE_SIZED_BIAS = ("inkling",)
+
+
 def keeps_states(model) -> bool:
     """Whether `model` keeps recurrent or convolution state (linear attention, Mamba, short convolution, RWKV...)."""
     text = model.config.get_text_config()
@@ -225,6 +237,13 @@ def state_refusal(model, role: str, several: bool, compiled: bool) -> str | None
             f"{name} cannot verify drafted tokens: {_RESTARTING_TYPES[kind]}, so a verify would not continue the "
             "cached sequence. Pass drafter=None (one token per forward, as model.generate decodes), or decode with "
             "model.generate"
+        )
+    if several and not records_each_state(model):
+        return (
+            f"{name} cannot verify drafted tokens: its recurrent or convolution layers do not hand the cache the state "
+            "after each token of a forward (transformers' recurrent_states_to_keep), so a partly accepted verify "
+            "could not be rolled back. Pass drafter=None (one token per forward, as model.generate decodes), or "
+            "decode with model.generate"
         )
     if compiled:
         return (
@@ -270,6 +289,10 @@ def row_mask_problem(model) -> str | None:
         return f"attn_implementation={implementation!r} builds its own causal mask (load it with attn_implementation='sdpa')"
     if uses_alibi(text):
         return "its ALiBi position bias is built from a 2-D padding mask, which cannot say where each row's queries sit"
+    if text.model_type.startswith(_CACHE_SIZED_BIAS):
+        return (
+            "its relative position bias is sized from the cache's length, which cannot say where each row's queries sit"
+        )
     problem = slot_position_problem(model)
     if problem:
         return f"{problem}, which is wrong for rows that end elsewhere and for a token tree's branches"
