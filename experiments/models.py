@@ -1,7 +1,7 @@
 """The verifiers the experiment commands load by name: `default`, `tiny`, or a local checkpoint folder.
 
 `tiny` is the tests' random Llama (hybrid.testing) with a byte tokenizer: a whole command runs in seconds.
-`qwen3_5-random` is a Qwen3.5-shaped model of about 100M parameters with random weights and the default verifier's
+`qwen3_5-tiny` is the tests' tiny Qwen3.5 with that tokenizer; `qwen3_5-random` is a Qwen3.5-shaped model of about 100M parameters with random weights and the default verifier's
 tokenizer: what a verify costs through Gated DeltaNet layers, and the ceiling and floor of a speed-up there.
 """
 
@@ -25,6 +25,14 @@ def load_tiny_model():
     # One token per byte, and the same weights in every process (the seed is fixed).
     model = tiny_model("llama", len(tokenizer), 2, seed=0, max_position_embeddings=1024)
     return model, tokenizer
+
+
+def load_qwen3_5_tiny():
+    """The tests' tiny Qwen3.5 (two Gated DeltaNet layers between full-attention layers) with a byte tokenizer."""
+    from hybrid.testing import byte_tokenizer, tiny_model
+
+    tokenizer = byte_tokenizer()
+    return tiny_model("qwen3_5", len(tokenizer), 2, seed=0, max_position_embeddings=1024), tokenizer
 
 
 def load_qwen3_5_random():
@@ -67,10 +75,15 @@ def load_pretrained(path: str):
     return AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
 
 
-MODELS = {"default": load_default_model, "tiny": load_tiny_model, "qwen3_5-random": load_qwen3_5_random}
+MODELS = {
+    "default": load_default_model,
+    "tiny": load_tiny_model,
+    "qwen3_5-tiny": load_qwen3_5_tiny,
+    "qwen3_5-random": load_qwen3_5_random,
+}
 MODEL_HELP = (
-    "default (SmolLM2-135M-Instruct), tiny (random, for tests), qwen3_5-random (random, 100M, Qwen3.5-shaped) or a "
-    "local checkpoint folder"
+    "default (SmolLM2-135M-Instruct), tiny (random, for tests), qwen3_5-tiny (random, for tests), qwen3_5-random "
+    "(random, 100M, Qwen3.5-shaped) or a local checkpoint folder"
 )
 
 
