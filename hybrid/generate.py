@@ -145,7 +145,7 @@ def generate(
     output = _pad_rows(sequences, config._pad_token_tensor)
     if config.return_dict_in_generate:
         output = GenerateDecoderOnlyOutput(
-            sequences=output, scores=result.scores, logits=result.logits, cache=verifier.cache.to_dynamic(0)
+            sequences=output, scores=result.scores, logits=result.logits, cache=verifier.generate_cache(0)
         )
     return (output, stats) if return_stats else output
 

@@ -34,6 +34,7 @@ from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 import hybrid
 from drafters import Draft, DraftContext, Drafter
+from verifiers.own_state import StateForwards, state_format
 from verifiers.positions import rotary_state_kept
 
 NEAR_TIE_EPS = 1e-4  # absolute gap between the top-2 processed scores of a float32 verifier
@@ -415,9 +416,11 @@ STATE_ARCHITECTURES = {
 }
 # The ones that also have attention layers.
 HYBRID_STATE = ("qwen3_5", "qwen3_next", "jamba", "falcon_h1")
-# The property strategies draw these as any other verifier.
+# The property strategies draw these as any other verifier (RWKV's state is kept by snapshot and replay,
+# `verifiers.own_state`; its batches are refused, as `generate` mixes their rows).
 ARCHITECTURES |= {
-    name: STATE_ARCHITECTURES[name] for name in ("qwen3_5", "qwen3_next", "jamba", "falcon_h1", "mamba2", "mamba")
+    name: STATE_ARCHITECTURES[name]
+    for name in ("qwen3_5", "qwen3_next", "jamba", "falcon_h1", "mamba2", "mamba", "rwkv")
 }
 
 
@@ -824,7 +827,11 @@ def check_cache_matches_prefill(
 ) -> None:
     """The cache left by a generation equals a fresh prefill of the sequence minus its newest token; with
     `prompt_length`, the cache `generate` builds: a prefill of the prompt, then one token per forward (which is
-    another cache for a model whose own mask ignores the window its config declares, as Moshi's does)."""
+    another cache for a model whose own mask ignores the window its config declares, as Moshi's does). A model with
+    a state structure of its own (RWKV, xLSTM) left that structure, compared state by state."""
+    if state_format(model) is not None:
+        _check_own_state_matches(model, sequences, cache, atol, prompt_length)
+        return
     fresh = DynamicCache(config=model.config)
     prefill = sequences.shape[1] - 1 if prompt_length is None else prompt_length
     with torch.inference_mode():
@@ -842,6 +849,25 @@ def check_cache_matches_prefill(
             assert a.shape == b.shape, f"layer {i} {name}: {tuple(a.shape)} vs fresh prefill {tuple(b.shape)}"
             err = float((a - b).abs().max()) if a.numel() else 0.0
             assert err <= atol, f"layer {i} {name} differs from a fresh prefill by {err:.3g}"
+
+
+def _check_own_state_matches(model, sequences: torch.Tensor, state, atol: float, prompt_length: int | None) -> None:
+    """`state` (the model's own structure) equals that of a fresh prefill, then one token per forward, within `atol`
+    of each tensor's largest magnitude; entries no token has set (RWKV's running maximum starts at -1e38) are
+    skipped."""
+    forwards = StateForwards(model)
+    prefill = sequences.shape[1] - 1 if prompt_length is None else prompt_length
+    with torch.inference_mode():
+        forwards(sequences[:, :prefill])
+        for t in range(prefill, sequences.shape[1] - 1):
+            forwards(sequences[:, t : t + 1])
+    tensors = forwards.format.tensors
+    for i, (a, b) in enumerate(zip(tensors(state), tensors(forwards.state), strict=True)):
+        assert a.shape == b.shape, f"state tensor {i}: {tuple(a.shape)} vs fresh {tuple(b.shape)}"
+        set_ = b.abs() < 1e30
+        a, b = a[set_].float(), b[set_].float()
+        err = float((a - b).abs().max() / b.abs().max().clamp(min=1)) if b.numel() else 0.0
+        assert err <= atol, f"state tensor {i} differs from a fresh decode by {err:.3g}"
 
 
 def _check_states_match(i: int, mine, theirs, atol: float) -> None:

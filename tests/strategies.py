@@ -28,18 +28,24 @@ from hybrid.testing import (
     tiny_model,
 )
 from schedulers import ConfidenceScheduler, CostAwareScheduler, FixedScheduler, HeuristicScheduler
+from verifiers.probes import padding_changes_outputs
 from verifiers.support import keeps_states, masked_window_problem, row_mask_problem, slot_position_problem
 
 # Architectures whose forward over a whole sequence is not how `generate` decodes it: Moshi's own mask ignores the
 # window its cache keeps, so past the window a fresh forward gives other states than decoding does.
 DECODES_UNLIKE_A_FRESH_FORWARD = ("moshi",)
+# Architectures whose `generate` decodes a row of a batch otherwise than the row alone (RWKV's one-token step mixes
+# the rows' states): hybrid refuses their batches (tests/test_own_state.py).
+BATCHES_UNLIKE_ROWS_ALONE = ("rwkv",)
 
 
 @st.composite
-def verifiers(draw, fresh_forward_reference: bool = False):
+def verifiers(draw, fresh_forward_reference: bool = False, batches: bool = False):
     """A random tiny verifier; `fresh_forward_reference`: one whose decoding a fresh forward over the sequence
-    reproduces (what properties that compare against such a forward need)."""
+    reproduces (what properties that compare against such a forward need); `batches`: one whose batches hybrid
+    serves."""
     excluded = DECODES_UNLIKE_A_FRESH_FORWARD if fresh_forward_reference else ()
+    excluded += BATCHES_UNLIKE_ROWS_ALONE if batches else ()
     arch = draw(st.sampled_from(sorted(set(ARCHITECTURES) - set(excluded))))
     window = (
         draw(st.sampled_from([None, 4, 9])) if arch in ("mistral", "gpt_neo", "gemma4", "gemma3n", "moshi") else None
@@ -83,6 +89,8 @@ def prompt_masks(draw, input_ids: torch.Tensor, model):
     n = input_ids.shape[1]
     if slot_position_problem(model) is not None:  # masked tokens count as positions there: refused
         return None
+    if padding_changes_outputs(model):  # generate folds the padding into the row (RWKV's state): refused
+        return None
     if not draw(st.booleans(), label="attention_mask"):
         return None
     mask = torch.ones(1, n, dtype=torch.long)
@@ -98,9 +106,10 @@ def padded_batches(draw, vocab_size: int, pad: int = 0, max_len: int = 10, model
     """(input_ids, attention_mask, rows): 2-4 prompts of any lengths, left-padded with `pad` (sometimes more
     than the longest needs); `rows` are the prompts unpadded, as lists. With `model`, some rows also have masked
     tokens inside them (`holes`): row r's own mask is then attention_mask[r, -len(rows[r]):]. A model that places
-    tokens by cache slot (`slot_position_problem`, where masked tokens are refused) gets rows of one length."""
+    tokens by cache slot (`slot_position_problem`, where masked tokens are refused) or whose `generate` lets padding
+    change a row (`padding_changes_outputs`: refused) gets rows of one length."""
     lengths = draw(st.lists(st.integers(1, max_len), min_size=2, max_size=4), label="prompt lengths")
-    unpadded = model is not None and slot_position_problem(model) is not None
+    unpadded = model is not None and (slot_position_problem(model) is not None or padding_changes_outputs(model))
     if unpadded:
         lengths = [lengths[0]] * len(lengths)
     token = st.integers(0, vocab_size - 1).filter(lambda t: t != pad)

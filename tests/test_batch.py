@@ -20,7 +20,7 @@ PAD = 0
 @PROPERTY
 @given(data=st.data())
 def test_batch_rows_equal_batch_one_outputs(data):
-    model = data.draw(verifiers(), label="verifier")
+    model = data.draw(verifiers(batches=True), label="verifier")
     vocab = model.config.vocab_size
     input_ids, mask, rows = data.draw(padded_batches(vocab, PAD, model=model), label="batch")
     width = input_ids.shape[1]
@@ -75,7 +75,7 @@ class StopOnResidue(StoppingCriteria):
 def test_a_batch_equals_model_generate_on_it_however_its_rows_stop(data):
     """Where `generate` has an EOS criterion a stopped row is padded; without one (a stopping criterion of the
     user's, stop strings) it goes on appending its own tokens until the last row stops."""
-    model = data.draw(verifiers(), label="verifier")
+    model = data.draw(verifiers(batches=True), label="verifier")
     vocab = model.config.vocab_size
     input_ids, mask, _ = data.draw(padded_batches(vocab, PAD, model=model), label="batch")
     stop = data.draw(st.sampled_from(["eos", "criterion", "criterion and eos", "length"]), label="stop")

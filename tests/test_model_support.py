@@ -558,12 +558,24 @@ RECURRENT_MODELS = {
 }
 
 
-@pytest.mark.parametrize("kind", list(RECURRENT_MODELS))
-def test_recurrent_model_is_refused_clearly(kind):
-    """Refused by what they are, whether or not transformers marks them stateful (it stopped at 5.25)."""
-    model = RECURRENT_MODELS[kind]().eval()
-    with pytest.raises(ValueError, match=r"keeps its recurrent state in a structure of its own"):
+def test_recurrent_model_is_refused_clearly():
+    """MiniMax keeps its lightning-attention state in a MiniMaxCache, the only cache its forward takes: refused by
+    what it is (RWKV's and xLSTM's own state structures are served: tests/test_own_state.py)."""
+    from experiments.architectures import tiny_from_defaults
+
+    model = tiny_from_defaults("minimax").eval()
+    with pytest.raises(ValueError, match=r"keeps its recurrent state in a structure of its own.*MiniMaxCache"):
         hybrid.generate(model, torch.tensor([[1, 2, 3]]), drafter=None, max_new_tokens=5, **GREEDY)
+
+
+@pytest.mark.parametrize("kind", list(RECURRENT_MODELS))
+def test_own_state_model_is_refused_on_the_static_path(kind):
+    """RWKV's and xLSTM's state is copied before a verify and replayed after it, outside any compiled graph."""
+    model = RECURRENT_MODELS[kind]().eval()
+    with pytest.raises(ValueError, match=r"keeps its recurrent state\s+in a structure of its own.*Drop cache_impl"):
+        hybrid.generate(
+            model, torch.tensor([[1, 2, 3]]), drafter=None, max_new_tokens=5, cache_implementation="static", **GREEDY
+        )
 
 
 def test_use_cache_false_in_the_config_is_no_request():

@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from strategies import padded_batches, tiny_model, verifiers
+from strategies import BATCHES_UNLIKE_ROWS_ALONE, padded_batches, tiny_model, verifiers
 from transformers import DynamicCache
 
 import hybrid
@@ -18,7 +18,7 @@ from drafters import PromptLookupDrafter
 from verifiers import Verifier
 from verifiers.cache import SharedCache
 from verifiers.memory import CacheMemoryError
-from verifiers.support import row_mask_problem
+from verifiers.support import keeps_states, row_mask_problem
 from verifiers.verifier import main_stream
 
 PROPERTY = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -33,12 +33,13 @@ def test_rollback_leaves_every_row_equal_to_a_fresh_prefill(data):
     vocab = model.config.vocab_size
     token = st.integers(0, vocab - 1)
     per_row_masks = row_mask_problem(model) is None  # else one row per forward, and no static layout
+    batches = per_row_masks and model.config.model_type not in BATCHES_UNLIKE_ROWS_ALONE
     rows = [
         torch.tensor(data.draw(st.lists(token, min_size=1, max_size=8), label="prompt"))
-        for _ in range(data.draw(st.integers(1, 3 if per_row_masks else 1), label="rows"))
+        for _ in range(data.draw(st.integers(1, 3 if batches else 1), label="rows"))
     ]
     # static: every slot read through the mask, verifies padded
-    static = per_row_masks and data.draw(st.booleans(), label="static")
+    static = per_row_masks and not keeps_states(model) and data.draw(st.booleans(), label="static")
     verifier = Verifier(model, hidden_layers=(0, -1), static=static, max_width=5)
     verifier.prefill_rows(rows, capacity=4)  # small on purpose: the dynamic cache must grow
     committed = [row.clone() for row in rows]
@@ -100,7 +101,7 @@ def test_side_buffers_roll_back_leave_and_grow_with_the_rows():
 def test_finished_rows_stop_costing_work(data):
     """Every row is in exactly as many verifier forwards as it took steps: a finished row is never fed again
     (models that take per-row masks; the others decode row by row, below)."""
-    model = data.draw(verifiers().filter(lambda m: row_mask_problem(m) is None), label="verifier")
+    model = data.draw(verifiers(batches=True).filter(lambda m: row_mask_problem(m) is None), label="verifier")
     vocab = model.config.vocab_size
     input_ids, mask, rows = data.draw(padded_batches(vocab, pad=0), label="batch")
     eos = data.draw(st.integers(1, vocab - 1), label="eos")  # rows stop at different steps

@@ -20,7 +20,9 @@ drafter's projected context keys/values), valid up to what it marked computed.
 
 **Recurrent and convolution states** (linear-attention, state-space and short-convolution layers) are kept per row
 beside the keys and values, and a verify records the state after each fed token so that any accepted prefix is kept
-without running it again (`verifiers.state_layers`). Such a model verifies chains, not trees.
+without running it again (`verifiers.state_layers`). A model that keeps its state in a structure of its own (RWKV,
+xLSTM) has no layers here: its state is kept whole, and a verify is rolled back by snapshot and replay
+(`verifiers.own_state`). Such models verify chains, not trees.
 
 **Static shapes** (`static=True`, `cache_implementation="static"`): every forward reads all `capacity`
 slots through the mask and writes through an index tensor, so a forward of q tokens has the same shapes
@@ -37,6 +39,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from verifiers.cache_layers import STATE_ONLY, attention_pattern, cache_layer_sources
 from verifiers.memory import CacheMemoryError, check_fits, shape_bytes
+from verifiers.own_state import OwnStates, state_format
 from verifiers.state_layers import RowStates, layer_states
 
 HIDDEN = "hidden"  # the side buffer of the verifier's kept hidden states
@@ -145,7 +148,11 @@ class SharedCache(Cache):
         self.sources = cache_layer_sources(text)
         self.layer_types, self.window = attention_pattern(text)
         states = layer_states(text)  # a looped model's extra cache layers are of their source layer's kind
-        super().__init__(layers=[_cache_layer(self, *states[source]) for source in self.sources])
+        own = state_format(model)
+        # A model with a state structure of its own is never passed this cache: it holds that state instead of layers
+        self.own_states = None if own is None else OwnStates(model, own)
+        layers = [] if own is not None else [_cache_layer(self, *states[source]) for source in self.sources]
+        super().__init__(layers=layers)
         self.state_layers = [layer for layer in self.layers if isinstance(layer, RowStates)]
         # Rows' lengths when the states' recording began, and the tokens fed since (None: nothing to settle)
         self._record_start: list[int] | None = None
@@ -223,7 +230,7 @@ class SharedCache(Cache):
         """
         self.reserve(max(self.lengths) + q)
         prefill = not any(self.lengths)
-        if self.state_layers:
+        if self.keeps_states:
             self._begin_states(q, prefill, tree is not None)
         starts = torch.tensor(self.lengths, device=self.device)
         self._forward_start = list(self.lengths)
@@ -271,6 +278,8 @@ class SharedCache(Cache):
         the window: a model whose own mask ignores the window its config declares (Moshi's) attends fully over the
         prompt and through the window after it. The prefill here is the model's own too, and past the window a step
         takes the masks built here, which window as that cache does (and as a model that honours its window)."""
+        if self.own_states is not None:  # an attention-free forward that takes no mask (RWKV ignores one, warning)
+            return False
         started = any(self._forward_start)  # not the prefill
         if not self.aligned or self._tree is not None:
             return True
@@ -338,6 +347,11 @@ class SharedCache(Cache):
 
     # -- rollback and finished rows ------------------------------------------------------------------
 
+    @property
+    def keeps_states(self) -> bool:
+        """Whether rows hold recurrent or convolution state, in state layers or a structure of the model's own."""
+        return bool(self.state_layers) or self.own_states is not None
+
     def _begin_states(self, q: int, prefill: bool, tree: bool) -> None:
         """Before a forward of q tokens: settle what earlier forwards left (`settle_states`), and have the state
         layers record the state after each fed token where a rollback may undo it."""
@@ -354,6 +368,8 @@ class SharedCache(Cache):
         if record:
             for layer in self.state_layers:
                 layer.record(q)
+            if self.own_states is not None:
+                self.own_states.record()
         self._fed_since += q
 
     @torch.inference_mode()
@@ -374,11 +390,13 @@ class SharedCache(Cache):
         if recorded:
             for layer in self.state_layers:
                 layer.settle(kept)
+            if self.own_states is not None:
+                self.own_states.settle(kept)
 
     def rollback_floor(self, row: int) -> int:
         """The shortest length row `row` can be rolled back to: 0 for keys and values alone; with recurrent states,
         the length at which they were last settled, unless the forwards since recorded them."""
-        if not self.state_layers:
+        if not self.keeps_states:
             return 0
         if self._record_start is None:
             return self.lengths[row]
@@ -400,7 +418,7 @@ class SharedCache(Cache):
         rollback); a tree's accepted path is copied down, keys, values and side state alike, recomputing nothing."""
         for b, offsets in enumerate(kept):
             start = self._forward_start[b]
-            if self.state_layers and list(offsets) != list(range(len(offsets))):
+            if self.keeps_states and list(offsets) != list(range(len(offsets))):
                 raise ValueError(f"row {b} keeps fed tokens {offsets}: recurrent states keep a prefix only")
             if any(not 0 <= o < self.lengths[b] - start for o in offsets) or sorted(set(offsets)) != list(offsets):
                 raise ValueError(f"row {b} cannot keep fed tokens {offsets} of the {self.lengths[b] - start} it holds")
@@ -424,6 +442,8 @@ class SharedCache(Cache):
             layer.batch_select_indices(index)
         for layer in self.state_layers:
             layer.select(index)
+        if self.own_states is not None:
+            self.own_states.select(index)
         self.side = {name: b[index.to(b.device)] for name, b in self.side.items()}
         self.lengths = [self.lengths[r] for r in rows]
         if self.holes is not None:
@@ -445,6 +465,8 @@ class SharedCache(Cache):
                 mine.keys, mine.values = torch.cat([mine.keys, theirs.keys]), torch.cat([mine.values, theirs.values])
             if isinstance(mine, RowStates):
                 mine.append_rows(theirs)
+        if self.own_states is not None:
+            self.own_states.append_rows(other.own_states)
         self.side = {name: torch.cat([buffer, other.side[name]]) for name, buffer in self.side.items()}
         self.side_lengths = {name: valid + other.side_lengths[name] for name, valid in self.side_lengths.items()}
         self.lengths = self.lengths + other.lengths
@@ -460,7 +482,8 @@ class SharedCache(Cache):
 
     def state_bytes(self) -> int:
         """Bytes of every row's settled recurrent and convolution states."""
-        return sum(layer.states_bytes() for layer in self.state_layers)
+        own = 0 if self.own_states is None else self.own_states.nbytes()
+        return own + sum(layer.states_bytes() for layer in self.state_layers)
 
     # -- reading -------------------------------------------------------------------------------------
 
@@ -500,8 +523,21 @@ class SharedCache(Cache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.lengths[0] if self.lengths else 0
 
+    def generate_cache(self, row: int = 0):
+        """What `model.generate` returns as `out.cache` for row `row`: a `DynamicCache` (`to_dynamic`), or for a
+        model with a state structure of its own that structure (RWKV's state list, an xLSTMCache)."""
+        if self.own_states is None:
+            return self.to_dynamic(row)
+        self.settle_states()
+        return self.own_states.exported(row, self.lengths[row])
+
     def to_dynamic(self, row: int = 0):
         """A transformers `DynamicCache` holding row `row`'s cached tokens, to continue with `model.generate`."""
+        if self.own_states is not None:
+            raise ValueError(
+                f"{type(self.own_states.model).__name__} keeps its state in a structure of its own, which no "
+                "DynamicCache holds: `generate_cache` returns it as model.generate does"
+            )
         self.settle_states()
         cache = DynamicCache(config=self.config)  # as `generate` builds it (sliding layers keep their window)
         # A looped model's extra layers, as it appends them to a cache of one layer per model layer

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from transformers.cache_utils import get_layer_types_and_kwargs
 
+from verifiers.own_state import STATE_FORMATS
 from verifiers.state_layers import layer_states
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -87,6 +88,8 @@ def cache_fingerprint(model) -> dict:
     differ by layer, as in Gemma 4). Multi-head latent attention (DeepSeek-V2 and its kin, `kv_lora_rank`) caches
     one head: the compressed latent as keys, the shared rotary key as values."""
     text = model.config.get_text_config()
+    if text.model_type in STATE_FORMATS:  # a state structure of its own (RWKV, xLSTM): no layer holds slots
+        return {"architecture": type(model).__name__, "layers": [(0, 0, 0)] * text.num_hidden_layers}
     states = layer_states(text)
     layers = []
     for source in cache_layer_sources(text):

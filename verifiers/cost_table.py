@@ -32,6 +32,7 @@ from transformers import DynamicCache
 
 from verifiers.embedded import measurements_dir
 from verifiers.kernels import KERNELS, chosen_kernels, cpu_linears, force_kernel, prepare_linears
+from verifiers.own_state import StateForwards, state_format
 from verifiers.positions import rotary_state_kept
 from verifiers.support import cache_feed_refusal, learned_position_limit
 
@@ -183,36 +184,69 @@ def _measure_verify_costs(model, sizes, repeats: int, kernels) -> dict[str, dict
     length = CONTEXT if limit is None else max(1, min(CONTEXT, limit - max(sizes)))
     generator = torch.Generator().manual_seed(0)
     context = torch.randint(0, vocab, (1, length), generator=generator).to(model.device)
-    cache = DynamicCache(config=model.config)
-    # Sliding-window layers keep what the crop below removes (as in Verifier), and recurrent layers the state after
-    # each verified token, as a verify records it (`verifiers.state_layers`)
-    cache.activate_past_recording(recurrent_states_to_keep=max(sizes))
-    # Position ids as the verifier passes them: some forwards cannot derive their own (XMOD's without a pad id)
-    model(context, position_ids=torch.arange(length, device=model.device)[None], cache=cache, use_cache=True)
+    # A model with a state structure of its own is fed through it, as the verifier feeds it (`verifiers.own_state`)
+    after = _StateContext(model, context) if state_format(model) is not None else _CachedContext(model, context, sizes)
     linears = cpu_linears(model)
     kernels = tuple(k for k in kernels if k == "torch" or linears)
     costs = {kernel: {m: float("inf") for m in sizes} for kernel in kernels}
-    _forward_each(model, cache, length, sizes[:1], kernels, linears, generator, costs)  # warms up
+    _forward_each(model, after, sizes[:1], kernels, linears, generator, costs)  # warms up
     for turn in range(repeats):
-        _forward_each(model, cache, length, sizes, kernels if turn % 2 else kernels[::-1], linears, generator, costs)
+        _forward_each(model, after, sizes, kernels if turn % 2 else kernels[::-1], linears, generator, costs)
     return costs
 
 
-def _forward_each(model, cache, length, sizes, kernels, linears, generator, costs) -> None:
-    """One forward of m random tokens after the cache per m and kernel, each kept in `costs` if the fastest yet."""
+class _CachedContext:
+    """The context in a DynamicCache: `feed` runs m tokens after it, `undo` crops them off again."""
+
+    def __init__(self, model, context: torch.Tensor, sizes):
+        self.model, self.length = model, context.shape[1]
+        self.cache = DynamicCache(config=model.config)
+        # Sliding-window layers keep what the crop below removes (as in Verifier), and recurrent layers the state
+        # after each verified token, as a verify records it (`verifiers.state_layers`)
+        self.cache.activate_past_recording(recurrent_states_to_keep=max(sizes))
+        self._run(context, 0)
+
+    def _run(self, tokens: torch.Tensor, start: int) -> None:
+        # Position ids as the verifier passes them: some forwards cannot derive their own (XMOD's without a pad id)
+        positions = torch.arange(start, start + tokens.shape[1], device=self.model.device)[None]
+        self.model(tokens, position_ids=positions, cache=self.cache, use_cache=True)
+
+    def feed(self, tokens: torch.Tensor) -> None:
+        self._run(tokens, self.length)
+
+    def undo(self, m: int) -> None:
+        self.cache.crop(-m)
+
+
+class _StateContext:
+    """The context in the model's own state structure: `feed` runs m tokens after it, `undo` restores its copy."""
+
+    def __init__(self, model, context: torch.Tensor):
+        self.forwards = StateForwards(model)
+        self.forwards(context)
+        self.forwards.mark()
+
+    def feed(self, tokens: torch.Tensor) -> None:
+        self.forwards(tokens)
+
+    def undo(self, m: int) -> None:
+        self.forwards.back()
+
+
+def _forward_each(model, after, sizes, kernels, linears, generator, costs) -> None:
+    """One forward of m random tokens after the context per m and kernel, each kept in `costs` if the fastest yet."""
     vocab = model.config.get_text_config().vocab_size
     for m in sizes:
         for kernel in kernels:
             tokens = torch.randint(0, vocab, (1, m), generator=generator).to(model.device)
-            positions = torch.arange(length, length + m, device=model.device)[None]
             # Installed outside the timing, as a call installs its kernels once (`Verifier.kernels`).
             with force_kernel(kernel), chosen_kernels(linears, {}):
                 _sync(model)
                 start = time.perf_counter()
-                model(tokens, position_ids=positions, cache=cache, use_cache=True)
+                after.feed(tokens)
                 _sync(model)
                 costs[kernel][m] = min(costs[kernel][m], time.perf_counter() - start)  # the least disturbed
-            cache.crop(-m)
+            after.undo(m)
 
 
 def choose_kernels(curves: dict[str, dict[int, float]]) -> tuple[dict[int, float], dict[int, str]]:

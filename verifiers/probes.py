@@ -10,6 +10,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from verifiers.cache_layers import storing_layers
+from verifiers.own_state import StateForwards, state_format
 from verifiers.verdicts import built_of_own_modules, least_precise_dtype, probe_tokens, probed
 
 
@@ -39,6 +40,16 @@ def padding_changes_outputs(model) -> bool:
     each row as if it were alone, so it cannot follow such a model's padded rows. Told by two greedy `generate` calls
     of two new tokens each (the prefill and a cached step), once per model."""
     return probed(model, _padded_logits_differ, failed=False)
+
+
+def batching_changes_outputs(model) -> bool:
+    """Whether `model.generate`'s logits for a row of a batch differ from the same row's alone, as RWKV's do in
+    transformers (its one-token step mixes each row's input with the shifted state of every row, and runs the rows'
+    mixes through its recurrence as if they were tokens). hybrid decodes each row as if it were alone, so it cannot
+    follow such a model's batches. Told by three greedy `generate` calls of two new tokens each (two rows together
+    and each alone), once per model; asked only of models that keep their state in a structure of their own, whose
+    batching is their modeling code's alone (a Cache layer's rows are transformers' cache code's)."""
+    return probed(model, _batched_logits_differ, failed=False)
 
 
 def scores_depend_on_width(model) -> bool:
@@ -106,14 +117,14 @@ def _width_changes_scores(model) -> bool:
         return True
 
     # A verify: tokens fed together on top of a cache against the same fed one by one, as `generate` decodes
-    def prefilled() -> DynamicCache:
-        cache = DynamicCache(config=model.config)
-        model(tokens[:, :2], cache=cache, use_cache=True)
-        return cache
+    def prefilled():
+        forwards = cached_forwards(model)
+        forwards(tokens[:, :2])
+        return forwards
 
-    cache = prefilled()
-    one_by_one = torch.cat([model(tokens[:, i : i + 1], cache=cache, use_cache=True).logits[0] for i in range(2, 10)])
-    together = (model(tokens[:, 2 : 2 + n], cache=prefilled(), use_cache=True).logits[0] for n in range(2, 9))
+    forwards = prefilled()
+    one_by_one = torch.cat([forwards(tokens[:, i : i + 1]).logits[0] for i in range(2, 10)])
+    together = (prefilled()(tokens[:, 2 : 2 + n]).logits[0] for n in range(2, 9))
     return any(differs(one_by_one[: len(scores)], scores) for scores in together)
 
 
@@ -137,37 +148,80 @@ def _padded_logits_differ(model) -> bool:
     return any(relative_difference(a, b) > LOGITS_DIFFER for a, b in zip(alone, beside))
 
 
+def _batched_logits_differ(model) -> bool:
+    tokens, pad = probe_tokens(model, 6)
+    rows = torch.cat([tokens[:, :3], tokens[:, 3:]])
+    settings = dict(
+        max_new_tokens=2,
+        do_sample=False,
+        num_beams=1,
+        pad_token_id=pad,
+        output_logits=True,
+        return_dict_in_generate=True,
+        disable_compile=True,
+    )
+    generate = type(model).generate  # transformers' own, even where hybrid stands in for the instance's
+    together = generate(model, rows, attention_mask=torch.ones_like(rows), **settings).logits
+    for b in range(rows.shape[0]):
+        alone = generate(model, rows[b : b + 1], attention_mask=torch.ones_like(rows[b : b + 1]), **settings).logits
+        if any(relative_difference(a[0], t[b]) > LOGITS_DIFFER for a, t in zip(alone, together)):
+            return True
+    return False
+
+
+def cached_forwards(model):
+    """A function that runs `model` on input_ids [1, q] after every token it was given before, as hybrid feeds a
+    verifier: through a DynamicCache, or through the model's own state structure (`verifiers.own_state`)."""
+    if state_format(model) is not None:
+        return StateForwards(model)
+    cache = DynamicCache(config=model.config)
+    return lambda input_ids: model(input_ids, cache=cache, use_cache=True)
+
+
 def _feed_problem(model, width: int) -> str | None:
     tokens, _ = probe_tokens(model, 2 + 2 * width)
     # Position ids as the verifier passes them: some forwards cannot derive their own (XMOD's without a pad id)
     positions = torch.arange(tokens.shape[1], device=model.device)[None]
     cache = DynamicCache(config=model.config)
+    # A model with a state structure of its own is fed through it, as the verifier feeds it (`verifiers.own_state`)
+    own = StateForwards(model) if state_format(model) is not None else None
     for start, end in ((0, 2), (2, 2 + width), (2 + width, 2 + 2 * width)):
         fed = f"{end - start} token{'s' if end - start > 1 else ''}" + (f" after {start} cached ones" if start else "")
         try:
-            # Through `forward`, past hooks on the model itself: they watch decoding's forwards, and this is none.
-            out = model.forward(
-                input_ids=tokens[:, start:end], position_ids=positions[:, start:end], cache=cache, use_cache=True
-            )
+            if own is not None:
+                out = own(tokens[:, start:end])
+            else:
+                # Through `forward`, past hooks on the model itself: they watch decoding's forwards, and this is none.
+                out = model.forward(
+                    input_ids=tokens[:, start:end], position_ids=positions[:, start:end], cache=cache, use_cache=True
+                )
         except (MemoryError, torch.OutOfMemoryError):  # this machine's limit, not the model's
             raise
         except Exception as error:
             reason = (str(error).strip().splitlines() or [""])[0]
             return f"its forward fails when fed {fed} ({type(error).__name__}: {reason})"
-        returned = getattr(out, "cache", None)
-        if returned is not None and returned is not cache:
-            return (
-                f"its forward keeps state in a cache of its own ({type(returned).__name__}) around the one it is "
-                "passed, which a forward through hybrid's cache would lose"
-            )
-        stores = storing_layers(cache, model.config.get_text_config())
-        if not all(getattr(layer, "is_initialized", True) for layer in stores):  # recurrent layers: no flag
-            return (
-                "its forward did not store its keys/values in the cache hybrid passed it (cache=...): such a model "
-                "recomputes the whole sequence every step"
-            )
+        problem = None if own is not None else _cache_problem(model, out, cache)
+        if problem:
+            return problem
         if out.logits.shape[1] != end - start:
             return f"its forward, fed {fed}, returns scores for {out.logits.shape[1]} of them"
+    return None
+
+
+def _cache_problem(model, out, cache: DynamicCache) -> str | None:
+    """Why a forward's `out` shows that it did not keep its state in the `cache` it was passed (None if it did)."""
+    returned = getattr(out, "cache", None)
+    if returned is not None and returned is not cache:
+        return (
+            f"its forward keeps state in a cache of its own ({type(returned).__name__}) around the one it is "
+            "passed, which a forward through hybrid's cache would lose"
+        )
+    stores = storing_layers(cache, model.config.get_text_config())
+    if not all(getattr(layer, "is_initialized", True) for layer in stores):  # recurrent layers: no flag
+        return (
+            "its forward did not store its keys/values in the cache hybrid passed it (cache=...): such a model "
+            "recomputes the whole sequence every step"
+        )
     return None
 
 

@@ -18,8 +18,10 @@ from transformers import GenerationMixin, PreTrainedModel
 
 from verifiers.cache import holed_rows
 from verifiers.cache_layers import attention_pattern, cache_fingerprint, cache_layer_sources
+from verifiers.own_state import STATE_FORMATS, state_format
 from verifiers.probes import (
     attends_ahead,
+    batching_changes_outputs,
     cache_feed_problem,
     padding_changes_outputs,
     records_each_state,
@@ -58,7 +60,7 @@ def check_support(
     cache_layer_sources(text)  # raises for a looped model whose loops read the cache past Cache.update
     # A verifier fed one token per forward (drafter=None) runs what `generate` runs; anything wider needs a mask.
     several = role != "verifier" or max_width > 1
-    refusal = state_refusal(model, role, several, compiled)
+    refusal = state_refusal(model, role, several, static, compiled)
     if refusal:
         raise ValueError(refusal)
     problem = mask_problem(text)
@@ -87,7 +89,8 @@ def check_masks(model, masks: list[torch.Tensor | None]) -> None:
     `generate` counts a masked token as a position where the model's forward takes no position_ids
     (`slot_position_problem`), and a masked token after a row's first unmasked one in attention windows that some
     models apply themselves (`masked_window_problem`); and some models' `generate` lets a padded row's output depend
-    on its padding (`verifiers.probes.padding_changes_outputs`)."""
+    on its padding (`verifiers.probes.padding_changes_outputs`), or, where a model keeps its state in a structure of
+    its own, a row's output on the other rows of its batch (`verifiers.probes.batching_changes_outputs`)."""
     masked = [b for b, mask in enumerate(masks) if mask is not None and not bool(mask.all())]
     problem = slot_position_problem(model) if masked else None
     if problem is not None:
@@ -103,6 +106,13 @@ def check_masks(model, masks: list[torch.Tensor | None]) -> None:
             f"{type(model).__name__} depends on its padding (its logits for a left-padded row differ from "
             "the row's alone), while hybrid decodes a row as if it were alone. Pass prompts without padding (one "
             "call per row), or decode them with model.generate"
+        )
+    if len(masks) > 1 and state_format(model) is not None and batching_changes_outputs(model):
+        raise ValueError(
+            f"model.generate's output for a row of a batch of {type(model).__name__} depends on the other rows (its "
+            "logits for a row of two differ from the row's alone, as transformers' RWKV one-token step reads the "
+            "other rows' states), while hybrid decodes each row as if it were alone. Pass one prompt per call, or "
+            "decode the batch with model.generate"
         )
     holed = holed_rows(masks)
     if not holed:
@@ -196,7 +206,13 @@ def check_causal_lm(model, role: str = "verifier") -> None:
 
 # Models that keep recurrent state outside transformers' Cache layers (in a state list or a cache class of their own):
 # the model types transformers' own generate keeps out of its default cache (`_supports_default_dynamic_cache`).
-_OWN_STATE_TYPES = ("rwkv", "xlstm", "minimax")
+# RWKV's and xLSTM's are served by snapshot and replay (`verifiers.own_state.STATE_FORMATS`); the others, with what
+# they keep it in.
+_OWN_STATE_TYPES = {
+    # Keys and values grow with the sequence beside the lightning-attention state: a snapshot would copy them all
+    # before every verify, and hybrid's own cache cannot stand in for the one cache class the forward takes.
+    "minimax": "a MiniMaxCache, the only cache its forward takes, holding its attention keys and values too",
+}
 # Models whose forward of several tokens on top of a cache restarts their recurrence as a prefill would, in
 # transformers' own code (Zamba's Mamba mixer and RecurrentGemma's recurrent block): one token at a time is right.
 _RESTARTING_TYPES = {
@@ -215,12 +231,13 @@ def keeps_states(model) -> bool:
     """Whether `model` keeps recurrent or convolution state (linear attention, Mamba, short convolution, RWKV...)."""
     text = model.config.get_text_config()
     return any(states for states, _ in layer_states(text)) or text.model_type in (
+        *STATE_FORMATS,
         *_OWN_STATE_TYPES,
         *_RESTARTING_TYPES,
     )
 
 
-def state_refusal(model, role: str, several: bool, compiled: bool) -> str | None:
+def state_refusal(model, role: str, several: bool, static: bool, compiled: bool) -> str | None:
     """Why `model`'s recurrent or convolution state cannot be served so (None if it can, or keeps none). hybrid keeps
     the state of transformers' Cache layers per row and rolls a verify back to any prefix
     (`verifiers.state_layers`)."""
@@ -229,8 +246,9 @@ def state_refusal(model, role: str, several: bool, compiled: bool) -> str | None
     name, kind = type(model).__name__, model.config.get_text_config().model_type
     if kind in _OWN_STATE_TYPES:
         return (
-            f"{name} keeps its recurrent state in a structure of its own, not in transformers' Cache layers, so "
-            "hybrid cannot keep it per row or roll it back: decode it with model.generate"
+            f"{name} keeps its recurrent state in a structure of its own ({_OWN_STATE_TYPES[kind]}), not in "
+            "transformers' Cache layers, so hybrid cannot keep it per row or roll it back: decode it with "
+            "model.generate"
         )
     if kind in _RESTARTING_TYPES and several:
         return (
@@ -238,7 +256,14 @@ def state_refusal(model, role: str, several: bool, compiled: bool) -> str | None
             "cached sequence. Pass drafter=None (one token per forward, as model.generate decodes), or decode with "
             "model.generate"
         )
-    if several and not records_each_state(model):
+    if static and kind in STATE_FORMATS:
+        return (
+            f"cache_implementation='static' lays out slots of keys and values, and {name} keeps its recurrent state "
+            "in a structure of its own, which hybrid copies before a verify and replays after it "
+            "(model.generate ignores cache_implementation for it). Drop cache_implementation (the dynamic path "
+            "serves this model)"
+        )
+    if several and kind not in STATE_FORMATS and not records_each_state(model):
         return (
             f"{name} cannot verify drafted tokens: its recurrent or convolution layers do not hand the cache the state "
             "after each token of a forward (transformers' recurrent_states_to_keep), so a partly accepted verify "
@@ -323,7 +348,8 @@ def slot_position_problem(model) -> str | None:
     `masked_window_problem` say what they cannot take."""
     if uses_alibi(model.config.get_text_config()):
         return None
-    if attention_free(model.config.get_text_config()):  # a state-space model: no token is placed by position
+    # A state-space model, or one with a state structure of its own (RWKV, xLSTM): no token is placed by position
+    if attention_free(model.config.get_text_config()) or state_format(model) is not None:
         return None
     if "position_ids" in inspect.signature(model.forward).parameters:
         return None

@@ -18,6 +18,7 @@ from transformers import DynamicCache
 from verifiers.cache import SharedCache, holed_rows, tree_layout
 from verifiers.cache_layers import storing_layers
 from verifiers.kernels import chosen_kernels, cpu_linears, forget_changed_weights, prepare_linears
+from verifiers.own_state import state_format
 from verifiers.positions import positions_room, rope_switches
 from verifiers.probes import LOGITS_DIFFER, relative_difference
 from verifiers.step_inputs import rereads
@@ -96,8 +97,10 @@ class Verifier:
         self.linears = cpu_linears(model) if compile_config is None else []
         self.row_kernels = dict(row_kernels or {})
         self._kernels_in_place = False  # inside `kernels()`: each forward finds its kernels installed
-        # The one-position padding is for eager forwards, whose kernels follow the row count.
-        self.forward_costs = dict(forward_costs or {}) if compile_config is None and not static else {}
+        # The one-position padding is for eager forwards, whose kernels follow the row count; a model with a state
+        # structure of its own would fold the padding into its state, and replay every verify to undo it.
+        padded = compile_config is None and not static and state_format(model) is None
+        self.forward_costs = dict(forward_costs or {}) if padded else {}
         self.cache: SharedCache | None = None
 
     def compiled(self, module):
@@ -361,6 +364,10 @@ class Verifier:
         """States of `hidden_layers` for row `row`'s cached tokens: [1, length(row), len(hidden_layers) * hidden]."""
         return None if self.cache is None else self.cache.hidden_states(row)
 
+    def generate_cache(self, row: int = 0):
+        """What `model.generate` returns as `out.cache` for `row` (`SharedCache.generate_cache`)."""
+        return self.cache.generate_cache(row)
+
     # -- batch 1 ----------------------------------------------------------------------------------------
 
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, capacity: int) -> torch.Tensor:
@@ -412,18 +419,24 @@ class Verifier:
             torch.compiler.cudagraph_mark_step_begin()
         # Every fed position reaches every dense product (and the head, keeping all logits): that is their row count.
         rows = input_ids.numel() if isinstance(logits_to_keep, int) and logits_to_keep == 0 else None
+        own = self.cache.own_states
+        # A model with a state structure of its own is fed that state (and takes no cache, positions or mask)
+        inputs = (
+            own.inputs(input_ids)
+            if own is not None
+            else dict(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, cache=self.cache)
+        )
         installed = self._kernels_in_place
         with contextlib.nullcontext() if installed else chosen_kernels(self.linears, self.row_kernels, rows):
             out = call(
-                input_ids=input_ids,
-                attention_mask=mask,
-                position_ids=position_ids,
-                cache=self.cache,
+                **inputs,
                 use_cache=True,
                 # By index, so that only the kept layers' states are held: the others are freed layer by layer.
                 output_hidden_states=list(self.hidden_layers) if self.hidden_layers else False,
                 **extra,
             )
+        if own is not None:
+            own.took(out)
         hidden = None
         if self.hidden_layers:  # gathered where the logits are: the last layer's device under device_map="auto"
             hidden = torch.cat(
