@@ -75,8 +75,9 @@ def holes(draw, length: int, model=None):
     `model` attends within a window, they are drawn among the last `window` positions, where a masked token changes
     what a window holds; models that cannot honour such a hole (`masked_window_problem`, `slot_position_problem`,
     `keeps_states`: refused) get none."""
-    refused = masked_window_problem(model) or slot_position_problem(model) or keeps_states(model)
-    if length < 3 or model is None or refused:
+    if length < 3 or model is None:
+        return []
+    if masked_window_problem(model) or slot_position_problem(model) or keeps_states(model):
         return []
     window = attention_window(model)
     low = 1 if window is None else max(1, length - 1 - window)

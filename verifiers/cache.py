@@ -212,11 +212,15 @@ class SharedCache(Cache):
                 raise RuntimeError(
                     f"a static cache of {self.capacity} slots cannot hold {slots}: size it for the whole call"
                 )
-            self.capacity = max(slots, 2 * self.capacity)
-            for layer in self._kv_layers():  # layers not yet initialised are allocated at the new capacity
-                if layer.is_initialized:
-                    layer.keys, layer.values = self.grow(layer.keys, 2), self.grow(layer.values, 2)
-            self.side = {name: self.grow(buffer, 1) for name, buffer in self.side.items()}
+            self._resize(max(slots, 2 * self.capacity))
+
+    def _resize(self, capacity: int) -> None:
+        """Widen every buffer to `capacity` slots, contents kept."""
+        self.capacity = capacity
+        for layer in self._kv_layers():  # layers not yet initialised are allocated at the new capacity
+            if layer.is_initialized:
+                layer.keys, layer.values = self.grow(layer.keys, 2), self.grow(layer.values, 2)
+        self.side = {name: self.grow(buffer, 1) for name, buffer in self.side.items()}
 
     # -- one forward: where it writes, what it may see -------------------------------------------------
 
@@ -454,10 +458,13 @@ class SharedCache(Cache):
                 torch._dynamo.mark_static_address(buffer)
 
     def append_rows(self, other: SharedCache) -> None:
-        """Append the rows of `other`, a cache built for the same model and capacity, after this one's (prefills of
+        """Append the rows of `other`, a cache built for the same model, after this one's (prefills of
         different prompt lengths, run apart so that no padding enters a recurrent state)."""
-        if self.holes is not None or other.holes is not None or self.capacity != other.capacity:
-            raise ValueError("only caches of one capacity without masked prompt tokens are appended")
+        if self.holes is not None or other.holes is not None:
+            raise ValueError("only caches without masked prompt tokens are appended")
+        for cache in (self, other):  # prompts of other lengths may have grown one of them
+            if cache.capacity < max(self.capacity, other.capacity):
+                cache._resize(max(self.capacity, other.capacity))
         self.settle_states()
         other.settle_states()
         for mine, theirs in zip(self.layers, other.layers):
