@@ -3,10 +3,14 @@
     python -m experiments.memory --max-new-tokens 1024             # default verifier + shipped drafter
     python -m experiments.memory --model tiny --max-new-tokens 32  # the tiny random model (CI)
 
+    python -m experiments.memory --model qwen3_5-random --max-new-tokens 64  # a verifier with state layers
+
 Each method runs in a fresh process, so one's peak cannot hide the other's. On the CPU the figure is
 the process's peak resident set while decoding (VmHWM, reset after loading so that loading's transient
 copies do not count: weights, activations, caches and the Python runtime); on CUDA it is
-`torch.cuda.max_memory_allocated`. Also reported: what decoding added to the memory held after loading.
+`torch.cuda.max_memory_allocated`. Also reported: what decoding added to the memory held after loading, and for a
+verifier with recurrent, linear-attention or convolution state, one row's states and what a verify records per fed
+token (`verifiers.memory.state_bytes`), which the cache's memory check counts for the widest verify.
 """
 
 from __future__ import annotations
@@ -67,12 +71,17 @@ def measure(method: str, model_name: str, max_new_tokens: int, device: str) -> d
         out = model.generate(input_ids, **settings)
     else:
         out = hybrid.generate(model, input_ids, drafter=drafter, **settings)
+    from verifiers.memory import state_bytes
+
+    live, per_token = state_bytes(model)
     return {
         "method": method,
         "device": str(model.device),
         "new_tokens": out.shape[1] - input_ids.shape[1],
         "loaded_bytes": loaded,
         "peak_bytes": peak_bytes(model.device),
+        "state_bytes_per_row": live,
+        "recorded_bytes_per_token": per_token,
     }
 
 
@@ -122,6 +131,12 @@ def main(argv=None) -> dict:
         )
     ratio = runs["hybrid"]["peak_bytes"] / runs["plain"]["peak_bytes"]
     print(f"  hybrid / plain peak: {ratio:.3f}x")
+    states = runs["hybrid"]
+    if states["state_bytes_per_row"]:
+        print(
+            f"  recurrent/conv states: {states['state_bytes_per_row'] / mib:.2f} MiB per row, and a verify records "
+            f"{states['recorded_bytes_per_token'] / mib:.2f} MiB per fed token of a row until it settles"
+        )
     return {"runs": runs, "ratio": ratio}
 
 
