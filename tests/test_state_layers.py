@@ -174,3 +174,57 @@ def test_a_model_whose_multi_token_forward_restarts_its_recurrence_verifies_no_d
 
 def test_the_tiny_configs_hold_the_layers_they_test():
     assert set(CACHE_API_STATES) <= set(STATE_ARCHITECTURES)
+
+
+def test_eos_stop_strings_streamer_and_the_returned_dict_follow_generate(one_thread):
+    """The call paths besides the tokens: an EOS inside an accepted draft, a stop string, the streamer's tokens and
+    return_dict_in_generate's scores, on a Qwen3.5 verifier drafting itself."""
+    from transformers.generation.streamers import BaseStreamer
+
+    from hybrid.testing import byte_tokenizer
+
+    class Recorder(BaseStreamer):
+        def __init__(self):
+            self.tokens = []
+
+        def put(self, value):
+            self.tokens.append(value.reshape(-1).tolist())
+
+        def end(self):
+            pass
+
+    tokenizer = byte_tokenizer(chat_template=False)
+    model = tiny_model("qwen3_5", len(tokenizer), 1, seed=10)
+    prompt = torch.tensor([[104, 101, 108, 108, 111, 32, 104, 101]])
+    reference = model.generate(prompt, max_new_tokens=30, do_sample=False)
+    eos = int(reference[0, prompt.shape[1] + 9])  # a token the greedy text reaches, so the call stops there
+    drafter = ScriptedDrafter(reference, depths=[7, 2, 7])
+    settings = dict(max_new_tokens=30, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    check_greedy_lossless(model, prompt, drafter, scheduler=FixedScheduler(6), **settings)
+    stop = tokenizer.decode(reference[0, prompt.shape[1] + 4 : prompt.shape[1] + 6])
+    expected = model.generate(prompt, stop_strings=stop, tokenizer=tokenizer, max_new_tokens=30, do_sample=False)
+    got = hybrid.generate(
+        model,
+        prompt,
+        drafter=ScriptedDrafter(reference, [7]),
+        stop_strings=stop,
+        tokenizer=tokenizer,
+        max_new_tokens=30,
+        do_sample=False,
+    )
+    assert torch.equal(got, expected)
+    plain, mine = Recorder(), Recorder()
+    model.generate(prompt, max_new_tokens=20, do_sample=False, streamer=plain)
+    out = hybrid.generate(
+        model,
+        prompt,
+        drafter=ScriptedDrafter(reference, [7]),
+        scheduler=FixedScheduler(6),
+        max_new_tokens=20,
+        do_sample=False,
+        streamer=mine,
+        return_dict_in_generate=True,
+        output_scores=True,
+    )
+    assert sum(mine.tokens[1:], []) == sum(plain.tokens[1:], []) == out.sequences[0, prompt.shape[1] :].tolist()
+    assert len(out.scores) == 20
