@@ -277,9 +277,10 @@ _GATED_DELTANET = dict(
 )
 
 
-def _qwen3_5(vocab_size, num_layers, window):
-    """Qwen3.5 (text): Gated DeltaNet layers (a conv state and a recurrent state each) between full-attention layers."""
-    return transformers.Qwen3_5TextConfig(
+def _gated_deltanet_hybrid(vocab_size: int, num_layers: int) -> dict:
+    """Qwen3.5's and Qwen3-Next's sizes: a Gated DeltaNet layer (a conv and a recurrent state) before each
+    full-attention layer."""
+    return dict(
         vocab_size=vocab_size,
         hidden_size=32,
         intermediate_size=64,
@@ -289,25 +290,24 @@ def _qwen3_5(vocab_size, num_layers, window):
         num_key_value_heads=2,
         head_dim=8,
         **_GATED_DELTANET,
+    )
+
+
+def _qwen3_5(vocab_size, num_layers, window):
+    """Qwen3.5 (text): Gated DeltaNet layers between full-attention layers."""
+    return transformers.Qwen3_5TextConfig(
+        **_gated_deltanet_hybrid(vocab_size, num_layers)
     ), transformers.Qwen3_5ForCausalLM
 
 
 def _qwen3_next(vocab_size, num_layers, window):
     """Qwen3-Next: Qwen3.5's layer pattern, each layer's MLP a small mixture of experts with a shared expert."""
     return transformers.Qwen3NextConfig(
-        vocab_size=vocab_size,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2 * num_layers,
-        layer_types=["linear_attention", "full_attention"] * num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
+        **_gated_deltanet_hybrid(vocab_size, num_layers),
         num_experts=4,
         num_experts_per_tok=2,
         moe_intermediate_size=32,
         shared_expert_intermediate_size=32,
-        **_GATED_DELTANET,
     ), transformers.Qwen3NextForCausalLM
 
 

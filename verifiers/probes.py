@@ -128,18 +128,21 @@ def _width_changes_scores(model) -> bool:
     return any(differs(one_by_one[: len(scores)], scores) for scores in together)
 
 
+# Two greedy steps of `generate` with their logits: what the probes that compare `generate`'s rows ask of it
+GENERATE_PROBE = dict(
+    max_new_tokens=2,
+    do_sample=False,
+    num_beams=1,
+    output_logits=True,
+    return_dict_in_generate=True,
+    disable_compile=True,  # a probe of four tiny forwards: compiling them would cost more than it saves
+)
+
+
 def _padded_logits_differ(model) -> bool:
     tokens, pad = probe_tokens(model, 3)
     padded = torch.cat([tokens.new_full((1, 2), pad), tokens], dim=1)
-    settings = dict(
-        max_new_tokens=2,
-        do_sample=False,
-        num_beams=1,
-        pad_token_id=pad,
-        output_logits=True,
-        return_dict_in_generate=True,
-        disable_compile=True,  # a probe of four tiny forwards: compiling them would cost more than it saves
-    )
+    settings = dict(GENERATE_PROBE, pad_token_id=pad)
     generate = type(model).generate  # transformers' own, even where hybrid stands in for the instance's
     alone = generate(model, tokens, attention_mask=torch.ones_like(tokens), **settings).logits
     mask = torch.ones_like(padded)
@@ -151,15 +154,7 @@ def _padded_logits_differ(model) -> bool:
 def _batched_logits_differ(model) -> bool:
     tokens, pad = probe_tokens(model, 6)
     rows = torch.cat([tokens[:, :3], tokens[:, 3:]])
-    settings = dict(
-        max_new_tokens=2,
-        do_sample=False,
-        num_beams=1,
-        pad_token_id=pad,
-        output_logits=True,
-        return_dict_in_generate=True,
-        disable_compile=True,
-    )
+    settings = dict(GENERATE_PROBE, pad_token_id=pad)
     generate = type(model).generate  # transformers' own, even where hybrid stands in for the instance's
     together = generate(model, rows, attention_mask=torch.ones_like(rows), **settings).logits
     for b in range(rows.shape[0]):
