@@ -402,8 +402,6 @@ class SharedCache(Cache):
         the length at which they were last settled, unless the forwards since recorded them."""
         if not self.keeps_states:
             return 0
-        if self._record_start is None:
-            return self.lengths[row]
         return self._record_start[row] if self._recording else self.lengths[row]
 
     def rollback(self, drop: list[int]) -> None:
@@ -486,11 +484,6 @@ class SharedCache(Cache):
     def _kv_layers(self) -> list[_RowLayer]:
         """The layers that keep keys and values in slots."""
         return [layer for layer in self.layers if isinstance(layer, _RowLayer)]
-
-    def state_bytes(self) -> int:
-        """Bytes of every row's settled recurrent and convolution states."""
-        own = 0 if self.own_states is None else self.own_states.nbytes()
-        return own + sum(layer.states_bytes() for layer in self.state_layers)
 
     # -- reading -------------------------------------------------------------------------------------
 

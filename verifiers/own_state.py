@@ -63,9 +63,6 @@ class StateFormat:
         for mine, theirs in zip(self.tensors(state), self.tensors(rows)):
             mine[index.to(mine.device)] = theirs.to(mine.device)
 
-    def nbytes(self, state) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors(state))
-
 
 class RwkvState(StateFormat):
     """RWKV's `state`: five tensors [rows, hidden, layers] (the time-mix and channel-mix shifts, the numerator,
@@ -186,10 +183,6 @@ class OwnStates:
         """Row `row`'s settled state as `generate` returns it as `out.cache`, after its `length` tokens."""
         index = torch.tensor([row])
         return self.format.exported(self.format.select(self.state, index), length)
-
-    def nbytes(self) -> int:
-        """Bytes of every row's settled state."""
-        return 0 if self.state is None else self.format.nbytes(self.state)
 
 
 class StateForwards:

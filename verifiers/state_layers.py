@@ -85,11 +85,6 @@ class RowStates(LinearAttentionLayer):
             if self.is_recurrent_states_initialized[i]:
                 self.recurrent_states[i] = torch.cat([self.recurrent_states[i], other.recurrent_states[i]])
 
-    def states_bytes(self) -> int:
-        """Bytes of the settled states held for all rows."""
-        held = [t for t in (*self.conv_states.values(), *self.recurrent_states.values()) if t is not None]
-        return sum(t.numel() * t.element_size() for t in held)
-
     def copy_row_into(self, layer: LinearAttentionLayer, row: int) -> None:
         """Fill a transformers linear-attention cache layer (a `DynamicCache`'s) with row `row`'s states."""
         for i in range(self.number_of_states):
