@@ -103,6 +103,32 @@ def _mla(config_cls, model_cls, **extra):
     return _llama_like(config_cls, model_cls, **latent, v_head_dim=12, **extra)
 
 
+# A small k, so that the indexer chooses (past k tokens) and its ties at 0 are broken as `generate` breaks them.
+INDEX_TOPK = 5
+_INDEXER = dict(index_topk=INDEX_TOPK, index_n_heads=2, index_head_dim=8)
+
+
+def _llama4(vocab_size, num_layers, window):
+    """Llama 4's text model: chunked attention on its rotary layers, full attention with a temperature by position on
+    the others (chunks of `window`, 4 by default, so that verifies cross chunk boundaries; the temperature's first
+    step at 8192 positions, as released)."""
+    layers = max(num_layers, 2)
+    config = transformers.Llama4TextConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        intermediate_size_mlp=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_hidden_layers=layers,
+        num_local_experts=2,
+        no_rope_layers=([1, 0] * layers)[:layers],
+        attention_chunk_size=window or 4,
+    )
+    return config, transformers.Llama4ForCausalLM
+
+
 def _bert_decoder(vocab_size, num_layers, window):
     """BERT's LM head loaded as a decoder: causal only through is_decoder=True, its masks built the older way."""
     return transformers.BertConfig(
@@ -243,6 +269,25 @@ ARCHITECTURES = {
         **_MOE,
     ),
     "minicpm3": _mla(transformers.MiniCPM3Config, transformers.MiniCPM3ForCausalLM),
+    "deepseek_v32": _mla(  # indexed attention: a lightning indexer picks each query's top-k tokens
+        transformers.DeepseekV32Config,
+        transformers.DeepseekV32ForCausalLM,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+        **_MOE,
+        **_INDEXER,
+    ),
+    "glm_moe_dsa": _mla(  # GLM-5: indexed attention, a later layer reusing an earlier one's choice
+        transformers.GlmMoeDsaConfig,
+        transformers.GlmMoeDsaForCausalLM,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+        **_MOE,
+        **_INDEXER,
+    ),
+    "llama4": _llama4,  # chunked attention
     "glm4_moe_lite": _mla(
         transformers.Glm4MoeLiteConfig,
         transformers.Glm4MoeLiteForCausalLM,

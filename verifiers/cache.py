@@ -37,7 +37,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from verifiers.cache_layers import STATE_ONLY, attention_pattern, cache_layer_sources
+from verifiers.cache_layers import LAYER_TYPES, STATE_ONLY, attention_pattern, cache_layer_sources
+from verifiers.indexed import PromptLayout
 from verifiers.memory import CacheMemoryError, check_fits, shape_bytes
 from verifiers.own_state import OwnStates, state_format
 from verifiers.state_layers import RowStates, layer_states
@@ -89,6 +90,44 @@ class _RowLayer(CacheLayerMixin):
             self.keys, self.values = self.keys[indices], self.values[indices]
 
 
+class _IndexedLayer(_RowLayer):
+    """A layer of indexed attention (DeepSeek-V3.2's): keys/values, and its indexer's keys [batch, capacity, width]
+    in the same slots (`update_indexer`), which the indexer scores to pick what each query attends to."""
+
+    def __init__(self, owner: SharedCache):
+        super().__init__(owner)
+        self.indexer_keys: torch.Tensor | None = None
+
+    def update_indexer(self, indexer_key_states: torch.Tensor) -> torch.Tensor:
+        if self.indexer_keys is None:
+            rows, _, width = indexer_key_states.shape
+            shape = (rows, self.owner.capacity, width)
+            self.indexer_keys = self.owner.allocate(shape, indexer_key_states.dtype, indexer_key_states.device)
+        self.owner.write(self.indexer_keys, indexer_key_states, dim=1)
+        return self.indexer_keys[:, : self.owner.end]
+
+    @property
+    def indexer_position_ids(self) -> torch.Tensor | None:
+        """The positions of the slots before the forward in flight ([3, rows, end - q], slot p at position p): the
+        model appends the fed tokens' positions, which are the last slots' only where rows are aligned, as a model
+        that reads them asks (`support.row_mask_problem`)."""
+        self.owner.reads_indexer_positions = True
+        if not any(self.owner._forward_start):
+            return None
+        rows, q = self.owner._write_index.shape
+        positions = torch.arange(self.owner.end - q, device=self.owner.device)
+        return positions.expand(3, rows, -1)
+
+    @indexer_position_ids.setter
+    def indexer_position_ids(self, value) -> None:
+        pass  # the slots' positions are their indices: nothing to keep
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        if self.indexer_keys is not None:
+            self.indexer_keys = self.indexer_keys[indices.to(self.indexer_keys.device)]
+
+
 class _StateLayer(RowStates):
     """A layer that keeps only recurrent / convolution states (linear attention, Mamba, short convolution)."""
 
@@ -112,10 +151,11 @@ class _HybridLayer(_RowLayer, RowStates):
             RowStates.lazy_initialization(self, **kwargs)
 
 
-def _cache_layer(owner: SharedCache, states: int, attention: bool):
-    """The cache layer for a model layer with `states` recurrent/convolution state pairs and, or, attention."""
+def _cache_layer(owner: SharedCache, kind: str, states: int, attention: bool):
+    """The cache layer for a model layer of attention `kind` with `states` recurrent/convolution state pairs and,
+    or, attention."""
     if not states:
-        return _RowLayer(owner)
+        return _IndexedLayer(owner) if kind == "indexed_attention" else _RowLayer(owner)
     return _HybridLayer(owner, states) if attention else _StateLayer(states)
 
 
@@ -146,12 +186,16 @@ class SharedCache(Cache):
         text = model.config.get_text_config()
         self.windows_by_mask = windows_by_mask
         self.sources = cache_layer_sources(text)
-        self.layer_types, self.window = attention_pattern(text)
+        self.layer_types, self.window, self.chunk = attention_pattern(text)
         states = layer_states(text)  # a looped model's extra cache layers are of their source layer's kind
         own = state_format(model)
         # A model with a state structure of its own is never passed this cache: it holds that state instead of layers
         self.own_states = None if own is None else OwnStates(model, own)
-        layers = [] if own is not None else [_cache_layer(self, *states[source]) for source in self.sources]
+        layers = (
+            []
+            if own is not None
+            else [_cache_layer(self, self.layer_types[source], *states[source]) for source in self.sources]
+        )
         super().__init__(layers=layers)
         self.state_layers = [layer for layer in self.layers if isinstance(layer, RowStates)]
         # Rows' lengths when the states' recording began, and the tokens fed since (None: nothing to settle)
@@ -176,10 +220,12 @@ class SharedCache(Cache):
         self._tree: tuple[torch.Tensor, torch.Tensor] | None = None  # the fed token tree's depths and visibility
         self._forward_start: list[int] = []  # each row's length before the last forward
         self.holes: torch.Tensor | None = None  # [rows, P + 1] masked prompt tokens before each slot (`mark_masked`)
+        self.prompt_layout: PromptLayout | None = None  # the prompts as `generate` holds them, for an indexer
         # The prefill through the model's own mask even over holes (`Verifier.prefill_rows`: a model whose own mask
         # ignores its window attends over a holed prompt in full under `generate`).
         self.prefill_by_own_mask = False
         self.end = 0  # slots attention reads this forward: max(lengths) + q
+        self.reads_indexer_positions = False  # whether the model reads the indexer's positions from the cache
 
     # -- memory -------------------------------------------------------------------------------------
 
@@ -220,6 +266,8 @@ class SharedCache(Cache):
         for layer in self._kv_layers():  # layers not yet initialised are allocated at the new capacity
             if layer.is_initialized:
                 layer.keys, layer.values = self.grow(layer.keys, 2), self.grow(layer.values, 2)
+            if getattr(layer, "indexer_keys", None) is not None:
+                layer.indexer_keys = self.grow(layer.indexer_keys, 1)
         self.side = {name: self.grow(buffer, 1) for name, buffer in self.side.items()}
 
     # -- one forward: where it writes, what it may see -------------------------------------------------
@@ -247,12 +295,17 @@ class SharedCache(Cache):
         self.end = self.capacity if self.static and not prefill else max(self.lengths) + q
         return self._write_index if tree is None else starts[:, None] + self._tree[0]
 
-    def mark_masked(self, masks: list[torch.Tensor | None]) -> None:
-        """Record each row's prompt mask (1-D, 0 for a masked token; None: no mask) so that sliding windows count
-        masked tokens as `generate` does. Only holes after a row's first unmasked token matter (leading ones shift
-        every position alike), and only on sliding layers: otherwise nothing is kept and nothing changes."""
+    def mark_masked(self, masks: list[torch.Tensor | None], lengths: list[int] | None = None) -> None:
+        """Record each row's prompt mask (1-D, 0 for a masked token; None: no mask) so that sliding windows and
+        attention chunks count masked tokens as `generate` does. Only holes after a row's first unmasked token matter
+        (leading ones shift every position alike), and only on sliding and chunked layers: otherwise nothing is kept
+        and nothing changes. `lengths` (each row's unmasked prompt tokens) lays out, for an indexer, the prompts as
+        `generate` holds them, padding included (`verifiers.indexed`)."""
+        if lengths is not None and "indexed_attention" in self.layer_types:
+            self.prompt_layout = PromptLayout.of(masks, lengths)
         holes = [None if mask is None else prompt_holes(mask) for mask in masks]
-        if "sliding_attention" not in self.layer_types or not any(h is not None and bool(h[-1]) for h in holes):
+        windowed = {"sliding_attention", "chunked_attention"} & set(self.layer_types)
+        if not windowed or not any(h is not None and bool(h[-1]) for h in holes):
             self.holes = None
             return
         holes = [torch.zeros(1, dtype=torch.long) if h is None else h for h in holes]
@@ -288,6 +341,8 @@ class SharedCache(Cache):
         if not self.aligned or self._tree is not None:
             return True
         if self.holes is not None and (started or not self.prefill_by_own_mask):
+            return True
+        if self.chunk is not None and started and self.end > self.chunk:  # the chunks as the masks here lay them
             return True
         return self.windows_by_mask and self.window is not None and started and self.end > self.window
 
@@ -327,8 +382,12 @@ class SharedCache(Cache):
         query_pos = self._window_positions(query_pos, self._write_index[:, :, None])
         key_pos = self._window_positions(key_pos, keys.expand(rows, 1, -1))
         masks = {}
-        for kind in set(self.layer_types) & {"full_attention", "sliding_attention"}:
-            seen = visible & (key_pos > query_pos - self.window) if kind == "sliding_attention" else visible
+        for kind in set(self.layer_types) & set(LAYER_TYPES):
+            seen = visible
+            if kind == "sliding_attention":
+                seen = visible & (key_pos > query_pos - self.window)
+            elif kind == "chunked_attention":
+                seen = visible & (key_pos // self.chunk == query_pos // self.chunk)
             masks[kind] = torch.zeros(seen.shape, dtype=self.dtype, device=self.device).masked_fill(
                 ~seen, torch.finfo(self.dtype).min
             )[:, None]
@@ -432,6 +491,9 @@ class SharedCache(Cache):
                     if layer.is_initialized:
                         for buffer in (layer.keys, layer.values):
                             buffer[b, :, dst.to(buffer.device)] = buffer[b, :, src.to(buffer.device)]
+                    if getattr(layer, "indexer_keys", None) is not None:
+                        keys = layer.indexer_keys
+                        keys[b, dst.to(keys.device)] = keys[b, src.to(keys.device)]
                 for buffer in self.side.values():
                     buffer[b, dst.to(buffer.device)] = buffer[b, src.to(buffer.device)]
         self.rollback([n - start - len(offsets) for n, start, offsets in zip(self.lengths, self._forward_start, kept)])
@@ -450,6 +512,8 @@ class SharedCache(Cache):
         self.lengths = [self.lengths[r] for r in rows]
         if self.holes is not None:
             self.holes = self.holes[index]
+        if self.prompt_layout is not None:
+            self.prompt_layout = self.prompt_layout.select(rows)
         self.side_lengths = {name: [valid[r] for r in rows] for name, valid in self.side_lengths.items()}
         if self.static:  # the selected rows are new buffers: fixed addresses again
             for buffer in self.buffers():
@@ -468,6 +532,8 @@ class SharedCache(Cache):
         for mine, theirs in zip(self.layers, other.layers):
             if isinstance(mine, _RowLayer) and mine.is_initialized:
                 mine.keys, mine.values = torch.cat([mine.keys, theirs.keys]), torch.cat([mine.values, theirs.values])
+            if getattr(mine, "indexer_keys", None) is not None:
+                mine.indexer_keys = torch.cat([mine.indexer_keys, theirs.indexer_keys])
             if isinstance(mine, RowStates):
                 mine.append_rows(theirs)
         if self.own_states is not None:
@@ -475,11 +541,16 @@ class SharedCache(Cache):
         self.side = {name: torch.cat([buffer, other.side[name]]) for name, buffer in self.side.items()}
         self.side_lengths = {name: valid + other.side_lengths[name] for name, valid in self.side_lengths.items()}
         self.lengths = self.lengths + other.lengths
+        if self.prompt_layout is not None:
+            self.prompt_layout = self.prompt_layout.join(other.prompt_layout)
 
     def buffers(self) -> list[torch.Tensor]:
         """Every allocated tensor: keys and values per layer, then the side buffers."""
         kv = [t for layer in self._kv_layers() if layer.is_initialized for t in (layer.keys, layer.values)]
-        return kv + list(self.side.values())
+        indexer = [
+            layer.indexer_keys for layer in self._kv_layers() if getattr(layer, "indexer_keys", None) is not None
+        ]
+        return kv + indexer + list(self.side.values())
 
     def _kv_layers(self) -> list[_RowLayer]:
         """The layers that keep keys and values in slots."""
@@ -550,6 +621,11 @@ class SharedCache(Cache):
             # A layer that stores nothing (KV sharing) is skipped: neither does generate's
             if isinstance(layer, _RowLayer) and layer.is_initialized:
                 cache.update(layer.keys[row : row + 1, :, :n].clone(), layer.values[row : row + 1, :, :n].clone(), i)
+            if getattr(layer, "indexer_keys", None) is not None:
+                cache.update_indexer(layer.indexer_keys[row : row + 1, :n].clone(), i)
+        if self.reads_indexer_positions:  # kept on the first indexed layer, as the model keeps them
+            first = cache.layers[self.layer_types.index("indexed_attention")]
+            first.indexer_position_ids = torch.arange(n, device=self.device).expand(3, 1, n)
         return cache
 
 

@@ -9,15 +9,17 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 from verifiers.own_state import STATE_FORMATS
 from verifiers.state_layers import layer_states
 
-LAYER_TYPES = ("full_attention", "sliding_attention")
+# Attention the cache's masks express: indexed attention (DeepSeek-V3.2's) masks as full attention, its indexer picking
+# among what the mask shows (`verifiers.indexed`); chunked attention (Llama 4's) sees its own chunk.
+LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "indexed_attention")
 STATE_ONLY = ("linear_attention", "conv")  # layers that keep recurrent or convolution state and no keys/values
 HYBRID_ATTENTION = {"hybrid": "full_attention", "hybrid_sliding": "sliding_attention"}
 
 
-def attention_pattern(text_config) -> tuple[list[str], int | None]:
+def attention_pattern(text_config) -> tuple[list[str], int | None, int | None]:
     """Each layer's attention kind, read as transformers reads it for its own caches (`layer_types`, else each
-    layer's `sliding_window` / `attention_chunk_size`), and the sliding window; raises for what the cache's masks
-    (`SharedCache.attention_mask`) cannot express."""
+    layer's `sliding_window` / `attention_chunk_size`), the sliding window and the attention chunk; raises for what
+    the cache's masks (`SharedCache.attention_mask`) cannot express."""
     name = type(text_config).__name__
     raw, kwargs = get_layer_types_and_kwargs(text_config)
     # A layer that stores nothing ("dummy": one that reads another layer's keys and values, Gemma 3n's and Gemma 4's
@@ -35,8 +37,8 @@ def attention_pattern(text_config) -> tuple[list[str], int | None]:
     odd = sorted(set(types) - set(LAYER_TYPES) - set(STATE_ONLY))
     if odd:
         raise ValueError(
-            f"{name} has {odd} layers: hybrid's cache serves full and sliding-window attention, and recurrent, "
-            "linear-attention and convolution layers"
+            f"{name} has {odd} layers: hybrid's cache serves full, sliding-window, chunked and indexed attention, "
+            "and recurrent, linear-attention and convolution layers"
         )
     windows = {
         kw.get("sliding_window") for kind, kw in zip(raw, kwargs) if kind in ("sliding_attention", "hybrid_sliding")
@@ -45,7 +47,12 @@ def attention_pattern(text_config) -> tuple[list[str], int | None]:
         raise ValueError(f"{name} has sliding-attention layers but no sliding_window size")
     if len(windows) > 1:
         raise ValueError(f"{name} has sliding layers of different windows {sorted(windows)}: hybrid's masks take one")
-    return list(types), next(iter(windows), None)
+    chunks = {kw.get("sliding_window") for kind, kw in zip(raw, kwargs) if kind == "chunked_attention"}
+    if None in chunks or len(chunks) > 1:
+        raise ValueError(
+            f"{name} has chunked-attention layers of chunk sizes {sorted(chunks, key=str)}: hybrid's masks take one"
+        )
+    return list(types), next(iter(windows), None), next(iter(chunks), None)
 
 
 def storing_layers(cache, text_config) -> list:

@@ -84,6 +84,27 @@ def check_support(
     return problem
 
 
+def check_position_scale(model, masks: list[torch.Tensor | None], lengths: list[int], capacity: int) -> None:
+    """Raise where `generate` would scale a query by a count hybrid cannot give per row. Llama 4's layers without
+    rotary embedding scale their queries by a step function of the position (`attn_temperature_tuning`, one step
+    every `floor_scale` positions), counted from the cache's length: over a batch that is one count for every row,
+    padding and masked tokens included. Below the first step every scale is 1, and where the positions of a call
+    (as `generate` counts them) stay below it, nothing differs."""
+    text = model.config.get_text_config()
+    if not getattr(text, "attn_temperature_tuning", False) or not hasattr(text, "floor_scale"):
+        return
+    width = max(n if mask is None else mask.shape[0] for mask, n in zip(masks, lengths))
+    reach = capacity + width - min(lengths)  # the furthest position generate's count can reach in this call
+    uneven = len(lengths) > 1 or width != lengths[0]
+    if uneven and reach >= text.floor_scale - 1:
+        raise ValueError(
+            f"{type(model).__name__} scales its queries by position past {text.floor_scale - 1} tokens "
+            "(attn_temperature_tuning), counting, as model.generate does, one length for all rows of a batch, padding "
+            f"included; this call's positions reach {reach}. Pass one prompt per call without padding, or decode "
+            "the batch with model.generate"
+        )
+
+
 def check_masks(model, masks: list[torch.Tensor | None]) -> None:
     """Raise unless `model` can honour every prompt mask (1-D, 0 = masked; None: none) as `generate` does:
     `generate` counts a masked token as a position where the model's forward takes no position_ids
@@ -225,6 +246,8 @@ _RESTARTING_TYPES = {
 # `get_relative_distance` and hidden-state-conditioned bias): right for one row read to its end, not for rows of other
 # lengths or the static layout's full capacity.
 _CACHE_SIZED_BIAS = ("inkling",)
+# Models whose indexer takes the queries' positions as the last of a position history kept in the cache (Qwen4-Exp's)
+_HISTORY_POSITIONED_INDEXER = ("qwen4_exp",)
 
 
 def keeps_states(model) -> bool:
@@ -286,10 +309,18 @@ def mask_problem(text_config) -> str | None:
     Multi-head latent attention expands its cached latent to num_attention_heads heads and then repeats them
     num_attention_heads // num_key_value_heads times more, which fits the queries only when the two head counts are
     equal (as in every released checkpoint); without a mask, SDPA's grouped-query kernel takes the heads as they are."""
-    # Read with getattr: BLT's config keeps its head counts in sub-configs, none at the top.
-    heads = getattr(text_config, "num_attention_heads", None)
-    kv_heads = getattr(text_config, "num_key_value_heads", None)
-    if getattr(text_config, "kv_lora_rank", None) and heads and kv_heads and kv_heads != heads:
+    # Read with getattr: BLT's config keeps its head counts in sub-configs, none at the top; Dots3's vary by layer.
+    for layer in getattr(text_config, "per_layer_config", None) or [text_config]:
+        problem = _latent_heads_problem(layer)
+        if problem:
+            return problem
+    return None
+
+
+def _latent_heads_problem(layer_config) -> str | None:
+    heads = getattr(layer_config, "num_attention_heads", None)
+    kv_heads = getattr(layer_config, "num_key_value_heads", None)
+    if getattr(layer_config, "kv_lora_rank", None) and heads and kv_heads and kv_heads != heads:
         return (
             f"its config has num_key_value_heads={kv_heads} but its latent attention (kv_lora_rank) expands keys and "
             f"values to num_attention_heads={heads} heads, which transformers' attention repeats "
@@ -314,6 +345,11 @@ def row_mask_problem(model) -> str | None:
         return f"attn_implementation={implementation!r} builds its own causal mask (load it with attn_implementation='sdpa')"
     if uses_alibi(text):
         return "its ALiBi position bias is built from a 2-D padding mask, which cannot say where each row's queries sit"
+    if text.model_type.startswith(_HISTORY_POSITIONED_INDEXER):
+        return (
+            "its indexer reads the fed tokens' rotary positions from the end of the positions it appends to the cache, "
+            "which cannot say where each row's queries sit"
+        )
     if text.model_type.startswith(_CACHE_SIZED_BIAS):
         return (
             "its relative position bias is sized from the cache's length, which cannot say where each row's queries sit"
@@ -377,13 +413,14 @@ def masked_window_problem(model) -> str | None:
     does (None if it can): a window or bias the model applies itself counts the cache slots hybrid holds, which
     leave masked tokens out."""
     text = model.config.get_text_config()
-    types, _ = attention_pattern(text)
+    types = attention_pattern(text)[0]
     if getattr(getattr(text, "attn_config", None), "alibi", False):
         # MPT's ALiBi is an arange over the key slots; Bloom's and Falcon's count only unmasked tokens (cumsum).
         return "its ALiBi bias counts key slots, so a masked slot between two tokens changes their distance"
     problem = row_mask_problem(model)
-    if "sliding_attention" in types and problem is not None:
-        return f"its sliding-window layers cannot take hybrid's masks: {problem}"
+    windowed = {"sliding_attention", "chunked_attention"} & set(types)
+    if windowed and problem is not None:
+        return f"its {' and '.join(sorted(windowed))} layers cannot take hybrid's masks: {problem}"
     for name, bias in own_causal_masks(model):
         if not bool(bias[..., -1, :].all()):  # a causal mask's last query sees every key; a local one does not
             return f"its attention ({name}) applies a local window of its own, over the slots hybrid's cache holds"

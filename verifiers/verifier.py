@@ -17,12 +17,13 @@ from transformers import DynamicCache
 
 from verifiers.cache import SharedCache, holed_rows, tree_layout
 from verifiers.cache_layers import storing_layers
+from verifiers.indexed import choosing_as_generate, indexers
 from verifiers.kernels import chosen_kernels, cpu_linears, forget_changed_weights, prepare_linears
 from verifiers.own_state import state_format
 from verifiers.positions import positions_room, rope_switches
 from verifiers.probes import LOGITS_DIFFER, relative_difference
 from verifiers.step_inputs import rereads
-from verifiers.support import check_masks, check_support, keeps_states, learned_position_limit
+from verifiers.support import check_masks, check_position_scale, check_support, keeps_states, learned_position_limit
 
 STATIC_CAPACITY_STEP = 256  # static caches are sized in multiples of this many slots
 
@@ -74,6 +75,8 @@ class Verifier:
         )
         self.batches = self.row_mask_problem is None
         self.keeps_states = keeps_states(model)
+        # Indexed attention's indexers, which choose within a verify as `generate`'s steps do (`verifiers.indexed`)
+        self.indexers = indexers(model)
         self.role = role
         self.model = model
         self.hidden_layers = tuple(hidden_layers)
@@ -153,6 +156,7 @@ class Verifier:
             )
         masks = [None] * len(rows) if masks is None else masks
         check_masks(self.model, masks)
+        check_position_scale(self.model, masks, [row.shape[0] for row in rows], capacity)
         if self.static:  # calls of similar length share a capacity, hence their compiled graphs
             capacity = -(-capacity // STATIC_CAPACITY_STEP) * STATIC_CAPACITY_STEP
         if self.keeps_states and len({row.shape[0] for row in rows}) > 1:
@@ -175,7 +179,7 @@ class Verifier:
             windows_by_mask=self.batches,
             verify_width=self.max_width,
         )
-        self.cache.mark_masked(masks)
+        self.cache.mark_masked(masks, [row.shape[0] for row in rows])
         self.cache.prefill_by_own_mask = own_mask
         # A drafter rolls back past its one-token forwards (`SharedCache.rollback_across_forwards`)
         self.cache.rollback_across_forwards = self.role != "verifier"
@@ -278,8 +282,9 @@ class Verifier:
     @property
     def takes_trees(self) -> bool:
         """Whether a verify may feed token trees: they need the per-row masks only some models take, and a model with
-        recurrent states verifies chains (a state per tree node would need the model's kernels to follow the tree)."""
-        return self.row_mask_problem is None and not self.keeps_states
+        recurrent states verifies chains (a state per tree node would need the model's kernels to follow the tree), as
+        does one with indexed attention (whose indexer `generate` runs over a chain, `verifiers.indexed`)."""
+        return self.row_mask_problem is None and not self.keeps_states and not self.indexers
 
     def width_rule(self):
         """`padded_width` as a plain function of (m, rows) that holds no reference to this verifier or its model (a
@@ -427,7 +432,10 @@ class Verifier:
             else dict(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, cache=self.cache)
         )
         installed = self._kernels_in_place
-        with contextlib.nullcontext() if installed else chosen_kernels(self.linears, self.row_kernels, rows):
+        with (
+            contextlib.nullcontext() if installed else chosen_kernels(self.linears, self.row_kernels, rows),
+            choosing_as_generate(self.indexers, self.cache),
+        ):
             out = call(
                 **inputs,
                 use_cache=True,
