@@ -148,6 +148,10 @@ OVERRIDES = {
         },
     ),
     # rope_theta is read but unused; clip_qkv=None reaches clamp(None, None), so the released 8
+    # Compressed windows that close within the survey's 29 tokens, and an indexer that chooses among them
+    "deepseek_v4": dict(
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8}, index_topk=2
+    ),
     "dbrx": {"attn_config.rope_theta": 10000.0, "attn_config.clip_qkv": 8, "ffn_config.ffn_hidden_size": 64},
     # One input, one looped (twice, each loop with cache layers of its own) and one output layer
     "dory": dict(

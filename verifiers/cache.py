@@ -35,9 +35,10 @@ import copy
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
 
-from verifiers.cache_layers import LAYER_TYPES, STATE_ONLY, attention_pattern, cache_layer_sources
+from verifiers.cache_layers import COMPRESSED, LAYER_TYPES, STATE_ONLY, attention_pattern, cache_layer_sources
+from verifiers.compressed import CompressedEntries
 from verifiers.indexed import PromptLayout
 from verifiers.memory import CacheMemoryError, check_fits, shape_bytes
 from verifiers.own_state import OwnStates, state_format
@@ -128,6 +129,19 @@ class _IndexedLayer(_RowLayer):
             self.indexer_keys = self.indexer_keys[indices.to(self.indexer_keys.device)]
 
 
+class _CompressedLayer(_RowLayer, CompressedEntries):
+    """A DeepSeek-V4 layer: keys/values in slots for its sliding window, and its compressor's state
+    (`verifiers.compressed`)."""
+
+    def __init__(self, owner: SharedCache, compress_rate: int):
+        _RowLayer.__init__(self, owner)
+        CompressedEntries.__init__(self, compress_rate)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        self.select_compressed(indices)
+
+
 class _StateLayer(RowStates):
     """A layer that keeps only recurrent / convolution states (linear attention, Mamba, short convolution)."""
 
@@ -151,11 +165,15 @@ class _HybridLayer(_RowLayer, RowStates):
             RowStates.lazy_initialization(self, **kwargs)
 
 
-def _cache_layer(owner: SharedCache, kind: str, states: int, attention: bool):
-    """The cache layer for a model layer of attention `kind` with `states` recurrent/convolution state pairs and,
-    or, attention."""
+def _cache_layer(owner: SharedCache, text_config, kind: str, states: int, attention: bool):
+    """The cache layer for a model layer of `kind` (as transformers names its cache layer) with `states`
+    recurrent/convolution state pairs and, or, attention."""
+    if kind == "indexed_attention":
+        return _IndexedLayer(owner)
+    if kind in COMPRESSED:
+        return _CompressedLayer(owner, text_config.compress_rates[kind])
     if not states:
-        return _IndexedLayer(owner) if kind == "indexed_attention" else _RowLayer(owner)
+        return _RowLayer(owner)
     return _HybridLayer(owner, states) if attention else _StateLayer(states)
 
 
@@ -188,13 +206,14 @@ class SharedCache(Cache):
         self.sources = cache_layer_sources(text)
         self.layer_types, self.window, self.chunk = attention_pattern(text)
         states = layer_states(text)  # a looped model's extra cache layers are of their source layer's kind
+        kinds = get_layer_types_and_kwargs(text)[0]
         own = state_format(model)
         # A model with a state structure of its own is never passed this cache: it holds that state instead of layers
         self.own_states = None if own is None else OwnStates(model, own)
         layers = (
             []
             if own is not None
-            else [_cache_layer(self, self.layer_types[source], *states[source]) for source in self.sources]
+            else [_cache_layer(self, text, kinds[source], *states[source]) for source in self.sources]
         )
         super().__init__(layers=layers)
         self.state_layers = [layer for layer in self.layers if isinstance(layer, RowStates)]
@@ -268,6 +287,8 @@ class SharedCache(Cache):
                 layer.keys, layer.values = self.grow(layer.keys, 2), self.grow(layer.values, 2)
             if getattr(layer, "indexer_keys", None) is not None:
                 layer.indexer_keys = self.grow(layer.indexer_keys, 1)
+            if isinstance(layer, CompressedEntries):
+                layer.resize_compressed()
         self.side = {name: self.grow(buffer, 1) for name, buffer in self.side.items()}
 
     # -- one forward: where it writes, what it may see -------------------------------------------------
@@ -301,7 +322,7 @@ class SharedCache(Cache):
         (leading ones shift every position alike), and only on sliding and chunked layers: otherwise nothing is kept
         and nothing changes. `lengths` (each row's unmasked prompt tokens) lays out, for an indexer, the prompts as
         `generate` holds them, padding included (`verifiers.indexed`)."""
-        if lengths is not None and "indexed_attention" in self.layer_types:
+        if lengths is not None:
             self.prompt_layout = PromptLayout.of(masks, lengths)
         holes = [None if mask is None else prompt_holes(mask) for mask in masks]
         windowed = {"sliding_attention", "chunked_attention"} & set(self.layer_types)
@@ -623,6 +644,8 @@ class SharedCache(Cache):
                 cache.update(layer.keys[row : row + 1, :, :n].clone(), layer.values[row : row + 1, :, :n].clone(), i)
             if getattr(layer, "indexer_keys", None) is not None:
                 cache.update_indexer(layer.indexer_keys[row : row + 1, :n].clone(), i)
+            if isinstance(layer, CompressedEntries):
+                layer.export_compressed(cache.layers[i], row, n)
         if self.reads_indexer_positions:  # kept on the first indexed layer, as the model keeps them
             first = cache.layers[self.layer_types.index("indexed_attention")]
             first.indexer_position_ids = torch.arange(n, device=self.device).expand(3, 1, n)

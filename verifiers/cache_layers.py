@@ -13,7 +13,15 @@ from verifiers.state_layers import layer_states
 # among what the mask shows (`verifiers.indexed`); chunked attention (Llama 4's) sees its own chunk.
 LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "indexed_attention")
 STATE_ONLY = ("linear_attention", "conv")  # layers that keep recurrent or convolution state and no keys/values
-HYBRID_ATTENTION = {"hybrid": "full_attention", "hybrid_sliding": "sliding_attention"}
+# Layers that attend as another kind besides what else they keep: a hybrid layer's recurrent state, or DeepSeek-V4's
+# compressed entries beside its sliding window (`verifiers.compressed`).
+HYBRID_ATTENTION = {
+    "hybrid": "full_attention",
+    "hybrid_sliding": "sliding_attention",
+    "compressed_sparse_attention": "sliding_attention",
+    "heavily_compressed_attention": "sliding_attention",
+}
+COMPRESSED = ("compressed_sparse_attention", "heavily_compressed_attention")
 
 
 def attention_pattern(text_config) -> tuple[list[str], int | None, int | None]:
@@ -41,7 +49,9 @@ def attention_pattern(text_config) -> tuple[list[str], int | None, int | None]:
             "and recurrent, linear-attention and convolution layers"
         )
     windows = {
-        kw.get("sliding_window") for kind, kw in zip(raw, kwargs) if kind in ("sliding_attention", "hybrid_sliding")
+        kw["config"].sliding_window if kind in COMPRESSED else kw.get("sliding_window")
+        for kind, kw in zip(raw, kwargs)
+        if kind in ("sliding_attention", "hybrid_sliding", *COMPRESSED)
     }
     if None in windows:
         raise ValueError(f"{name} has sliding-attention layers but no sliding_window size")

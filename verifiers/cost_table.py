@@ -19,6 +19,7 @@ A `Verifier` reads the kernel choice and the costs (`cached_kernel_choice`); a s
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import hashlib
 import json
@@ -196,7 +197,8 @@ def _measure_verify_costs(model, sizes, repeats: int, kernels) -> dict[str, dict
 
 
 class _CachedContext:
-    """The context in a DynamicCache: `feed` runs m tokens after it, `undo` crops them off again."""
+    """The context in a DynamicCache: `feed` runs m tokens after it, `undo` crops them off again (or, for layers that
+    cannot be cropped, DeepSeek-V4's compressors, restores a copy)."""
 
     def __init__(self, model, context: torch.Tensor, sizes):
         self.model, self.length = model, context.shape[1]
@@ -205,6 +207,8 @@ class _CachedContext:
         # after each verified token, as a verify records it (`verifiers.state_layers`)
         self.cache.activate_past_recording(recurrent_states_to_keep=max(sizes))
         self._run(context, 0)
+        croppable = all(getattr(layer, "is_croppable", True) for layer in self.cache.layers)
+        self.saved = None if croppable else copy.deepcopy(self.cache)
 
     def _run(self, tokens: torch.Tensor, start: int) -> None:
         # Position ids as the verifier passes them: some forwards cannot derive their own (XMOD's without a pad id)
@@ -215,7 +219,10 @@ class _CachedContext:
         self._run(tokens, self.length)
 
     def undo(self, m: int) -> None:
-        self.cache.crop(-m)
+        if self.saved is None:
+            self.cache.crop(-m)
+        else:
+            self.cache = copy.deepcopy(self.saved)
 
 
 class _StateContext:

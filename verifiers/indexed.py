@@ -1,5 +1,5 @@
-"""Indexed attention (DeepSeek-V3.2's sparse attention, which GLM-5, HY-V4, AXK2 and Dots3 adopt) chooses, in a verify,
-exactly what `generate`'s one-token steps choose.
+"""Indexed attention (DeepSeek-V3.2's sparse attention, which GLM-5, HY-V4, AXK2 and Dots3 adopt, and DeepSeek-V4's
+over its compressed entries) chooses, in a verify, exactly what `generate`'s one-token steps choose.
 
 A lightning indexer scores every earlier token for each query and the query attends to the top k of them. The
 indexer's keys live in the cache's slots beside the keys and values (`cache._IndexedLayer`), and the cache's causal
@@ -10,7 +10,8 @@ whole sequence as it holds it (left padding and masked prompt tokens included, m
 prompt's row; a verify's row has the other queries' slots besides.
 
 So while a forward of the shared cache runs, each indexer's top-k is taken, for every query, over the row `generate`
-would have given it (`select_as_generate`). Where that row is no longer than k, the query attends to all it sees
+would have given it (`select_as_generate`). DeepSeek-V4's indexer scores compressed entries (`verifiers.compressed`):
+a one-token step's row is the entries closed so far, a verify's has later ones besides, masked. Where that row is no longer than k, the query attends to all it sees
 either way and the indexer's own choice stands: only contexts longer than the indexer's k (2048 in the released
 models) pay for the per-query choice.
 """
@@ -73,43 +74,81 @@ class PromptLayout:
 
 
 def indexers(model: nn.Module) -> list[nn.Module]:
-    """The indexers of a model with indexed attention: the modules that pick each query's top `index_topk` tokens."""
+    """The indexers of a model with indexed attention: the modules that pick each query's top `index_topk` tokens
+    (DeepSeek-V3.2's, over the cache's slots) or compressed entries (DeepSeek-V4's, with a `compress_rate`)."""
     return [m for m in model.modules() if hasattr(m, "index_topk") and type(m).__name__.endswith("Indexer")]
 
 
-def select_as_generate(scores: torch.Tensor, k: int, positions: torch.Tensor, layout: PromptLayout) -> torch.Tensor:
-    """The slots [rows, q, min(k, slots)] each query of a forward attends to: its top k of `scores` [rows, q, slots]
-    (the indexer's, slot p holding position p) as `generate` takes them. A query choosing fewer repeats its first."""
-    rows, q, slots = scores.shape
-    chosen = torch.empty(rows, q, min(k, slots), dtype=torch.long)
+def select_as_generate(scores: torch.Tensor, k: int, rows_of) -> torch.Tensor:
+    """The indices [rows, q, min(k, n)] into `scores` [rows, q, n] (an indexer's) of each query's top k as `generate`
+    takes them: `rows_of(b, i)` gives the row `generate` would have scored query i of row b over, as indices into n
+    (-1: an entry it masks), or None where this forward's own row is that row. A query choosing fewer than the
+    others is padded with an index it does not see, which the attention masks as it masks every unseen one."""
+    rows, q, n = scores.shape
+    width = min(k, n)
+    chosen = torch.empty(rows, q, width, dtype=torch.long)
+    own = None
     for b in range(rows):
         for i in range(q):
-            position = int(positions[b, i])
-            real, seen = layout.sequence(b, position)
-            row = torch.full(real.shape, float("-inf"), dtype=scores.dtype)  # masked: equal, below every score
-            row[seen] = scores[b, i, real[seen].to(scores.device)].cpu()
-            top = row.topk(min(k, row.shape[0])).indices
-            picked = real[top[seen[top]]]  # masked entries picked where fewer than k are seen point at no slot
-            chosen[b, i] = torch.cat([picked, picked[:1].expand(chosen.shape[-1] - picked.shape[0])])
+            entries = rows_of(b, i)
+            if entries is None:
+                own = scores.topk(width, dim=-1).indices.cpu() if own is None else own
+                chosen[b, i] = own[b, i]
+                continue
+            seen = entries >= 0
+            row = torch.full(entries.shape, float("-inf"), dtype=scores.dtype)  # masked: equal, below every score
+            row[seen] = scores[b, i, entries[seen].to(scores.device)].cpu()
+            picked = entries[row.topk(min(k, row.shape[0])).indices]
+            picked = picked[picked >= 0]  # where fewer than k are seen, masked entries are picked too
+            if picked.shape[0] < width:
+                unseen = torch.ones(n, dtype=torch.bool)
+                unseen[entries[seen]] = False
+                pad = unseen.nonzero()[:1, 0].expand(width - picked.shape[0])
+                picked = torch.cat([picked, pad])
+            chosen[b, i] = picked
     return chosen.to(scores.device)
 
 
 class _TopkAsGenerate(TorchFunctionMode):
-    """Within an indexer's forward: its top-k over the cache's slots, taken per query as `generate` takes it."""
+    """Within an indexer's forward: its top-k over `n` entries, taken per query as `generate` takes it."""
 
-    def __init__(self, k: int, positions: torch.Tensor, layout: PromptLayout, slots: int):
+    def __init__(self, k: int, n: int, rows_of):
         super().__init__()
-        self.k, self.positions, self.layout, self.slots = k, positions, layout, slots
+        self.k, self.n, self.rows_of = k, n, rows_of
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in (torch.topk, torch.Tensor.topk):
             scores = args[0]
             dim = kwargs.get("dim", args[2] if len(args) > 2 else -1)
-            if scores.dim() == 3 and dim in (-1, 2) and scores.shape[-1] == self.slots:
-                indices = select_as_generate(scores, self.k, self.positions, self.layout)
+            if scores.dim() == 3 and dim in (-1, 2) and (self.n is None or scores.shape[-1] == self.n):
+                indices = select_as_generate(scores, self.k, self.rows_of)
                 return torch.return_types.topk((scores.gather(-1, indices), indices))
         return func(*args, **kwargs)
+
+
+def _slot_rows(layout: PromptLayout, positions: torch.Tensor):
+    """Indexed attention over the cache's slots (slot p: position p): `generate` scores a query over its sequence as
+    it holds it, padding and masked prompt tokens masked, the prompt's tokens in a prefill as long as the prompt."""
+
+    def rows_of(b: int, i: int) -> torch.Tensor:
+        real, seen = layout.sequence(b, int(positions[b, i]))
+        return torch.where(seen, real, -1)
+
+    longest = max(layout.row_length(b, int(positions[b].max())) for b in range(positions.shape[0]))
+    return rows_of, longest
+
+
+def _entry_rows(layout: PromptLayout, positions: torch.Tensor, rate: int):
+    """DeepSeek-V4's compressed entries: a one-token step scores its query over the entries closed so far (window w
+    closes at position (w + 1) * rate - 1); a prompt token is scored in the prefill, which runs here as there."""
+
+    def rows_of(b: int, i: int) -> torch.Tensor | None:
+        position = int(positions[b, i])
+        return None if position < layout.prompt[b] else torch.arange((position + 1) // rate)
+
+    steps = [(p + 1) // rate for b, row in enumerate(positions.tolist()) for p in row if p >= layout.prompt[b]]
+    return rows_of, max(steps, default=0)
 
 
 @contextlib.contextmanager
@@ -117,26 +156,35 @@ def choosing_as_generate(modules: list[nn.Module], cache):
     """While a forward of `cache` (a `SharedCache`) runs: each of the indexer `modules` chooses as `generate` would
     where some query's row is longer than its k (module docstring)."""
     layout = cache.prompt_layout
-    positions = cache._write_index
-    if not modules or layout is None or positions is None:
+    if not modules or layout is None or cache._write_index is None:
         yield
         return
-    k = min(module.index_topk for module in modules)
-    longest = max(layout.row_length(b, int(positions[b].max())) for b in range(len(layout.prompt)))
-    if longest <= k:  # every query selects all it sees, in generate's steps and here alike
+    positions = cache._write_index.cpu()
+    plans = []
+    for module in modules:
+        rate = getattr(module, "compress_rate", None)
+        rows_of, longest = _slot_rows(layout, positions) if rate is None else _entry_rows(layout, positions, rate)
+        if longest > module.index_topk:  # else every query selects all it sees, in generate's steps and here alike
+            plans.append((module, rows_of, None if rate is not None else cache.end))
+    if not plans:
         yield
         return
-    positions = positions.cpu()
     active: list[_TopkAsGenerate] = []
 
-    def enter(module, args):
-        active.append(_TopkAsGenerate(module.index_topk, positions, layout, cache.end))
-        active[-1].__enter__()
+    def hooks(rows_of, n):
+        def enter(module, args):
+            active.append(_TopkAsGenerate(module.index_topk, n, rows_of))
+            active[-1].__enter__()
 
-    def leave(module, args, output):
-        active.pop().__exit__(None, None, None)
+        def leave(module, args, output):
+            active.pop().__exit__(None, None, None)
 
-    handles = [h for m in modules for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))]
+        return enter, leave
+
+    handles = []
+    for module, rows_of, n in plans:
+        enter, leave = hooks(rows_of, n)
+        handles += [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
     try:
         yield
     finally:

@@ -15,9 +15,10 @@ import inspect
 import torch
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
+from transformers.cache_utils import get_layer_types_and_kwargs
 
 from verifiers.cache import holed_rows
-from verifiers.cache_layers import attention_pattern, cache_fingerprint, cache_layer_sources
+from verifiers.cache_layers import COMPRESSED, attention_pattern, cache_fingerprint, cache_layer_sources
 from verifiers.own_state import STATE_FORMATS, state_format
 from verifiers.probes import (
     attends_ahead,
@@ -345,6 +346,11 @@ def row_mask_problem(model) -> str | None:
         return f"attn_implementation={implementation!r} builds its own causal mask (load it with attn_implementation='sdpa')"
     if uses_alibi(text):
         return "its ALiBi position bias is built from a 2-D padding mask, which cannot say where each row's queries sit"
+    if set(COMPRESSED) & set(get_layer_types_and_kwargs(text)[0]):
+        return (
+            "its compressors count the windows they have closed once for all rows of a forward, which cannot say "
+            "where each row's tokens end"
+        )
     if text.model_type.startswith(_HISTORY_POSITIONED_INDEXER):
         return (
             "its indexer reads the fed tokens' rotary positions from the end of the positions it appends to the cache, "
