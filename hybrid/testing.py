@@ -129,6 +129,32 @@ def _llama4(vocab_size, num_layers, window):
     return config, transformers.Llama4ForCausalLM
 
 
+def _deepseek_v4(vocab_size, num_layers, window):
+    """DeepSeek-V4: a sliding window (of `window`, 6 by default) beside compressed entries, one every 8 tokens
+    (heavily compressed) or 4 with an indexer choosing 2 of them (compressed sparse), and hash-routed experts."""
+    layers = max(num_layers, 2)
+    kinds = ["heavily_compressed_attention", "compressed_sparse_attention"]
+    config = transformers.DeepseekV4Config(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        moe_intermediate_size=32,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        q_lora_rank=16,
+        num_experts_per_tok=2,
+        n_routed_experts=4,
+        layer_types=(kinds * layers)[:layers],
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+        sliding_window=window or 6,
+        index_topk=2,
+        index_n_heads=2,
+        index_head_dim=8,
+    )
+    return config, transformers.DeepseekV4ForCausalLM
+
+
 def _bert_decoder(vocab_size, num_layers, window):
     """BERT's LM head loaded as a decoder: causal only through is_decoder=True, its masks built the older way."""
     return transformers.BertConfig(
@@ -288,6 +314,7 @@ ARCHITECTURES = {
         **_INDEXER,
     ),
     "llama4": _llama4,  # chunked attention
+    "deepseek_v4": _deepseek_v4,  # compressed attention beside a sliding window
     "glm4_moe_lite": _mla(
         transformers.Glm4MoeLiteConfig,
         transformers.Glm4MoeLiteForCausalLM,
@@ -889,11 +916,26 @@ def check_cache_matches_prefill(
             _check_states_match(i, mine, theirs, atol)
         if getattr(theirs, "keys", None) is None:  # a layer that stores nothing (KV sharing: it reads another's)
             continue
-        for name in ("keys", "values"):
-            a, b = getattr(mine, name), getattr(theirs, name)
+        for name, a, b in _layer_tensors(mine, theirs):
             assert a.shape == b.shape, f"layer {i} {name}: {tuple(a.shape)} vs fresh prefill {tuple(b.shape)}"
             err = float((a - b).abs().max()) if a.numel() else 0.0
             assert err <= atol, f"layer {i} {name} differs from a fresh prefill by {err:.3g}"
+
+
+def _layer_tensors(mine, theirs):
+    """(name, mine, theirs) for each tensor two cache layers hold: keys and values, an indexer's keys (indexed
+    attention), and DeepSeek-V4's compressor buffers, entries and window halves."""
+    yield from (("keys", mine.keys, theirs.keys), ("values", mine.values, theirs.values))
+    if getattr(theirs, "indexer_keys", None) is not None:
+        yield "indexer_keys", mine.indexer_keys, theirs.indexer_keys
+    for store in ("buffer_kv", "buffer_gate", "compressed_kv", "overlap_kv", "overlap_gate"):
+        for name, b in getattr(theirs, store, {}).items():
+            a = getattr(mine, store)[name]
+            assert (a is None) == (b is None), f"{store}[{name!r}]: {a is None=} but the fresh cache's {b is None=}"
+            if b is not None:
+                yield f"{store}[{name!r}]", a, b
+    for name, count in getattr(theirs, "entry_count", {}).items():
+        assert mine.entry_count[name] == count, f"entry_count[{name!r}] {mine.entry_count[name]} vs {count}"
 
 
 def _check_own_state_matches(model, sequences: torch.Tensor, state, atol: float, prompt_length: int | None) -> None:

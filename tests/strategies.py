@@ -48,7 +48,9 @@ def verifiers(draw, fresh_forward_reference: bool = False, batches: bool = False
     excluded += BATCHES_UNLIKE_ROWS_ALONE if batches else ()
     arch = draw(st.sampled_from(sorted(set(ARCHITECTURES) - set(excluded))))
     window = (
-        draw(st.sampled_from([None, 4, 9])) if arch in ("mistral", "gpt_neo", "gemma4", "gemma3n", "moshi") else None
+        draw(st.sampled_from([None, 4, 9]))
+        if arch in ("mistral", "gpt_neo", "gemma4", "gemma3n", "moshi", "llama4", "deepseek_v4")
+        else None
     )
     return tiny_model(arch, draw(st.integers(32, 96)), draw(st.integers(1, 2)), draw(st.integers(0, 2**16)), window)
 

@@ -447,8 +447,9 @@ class Verifier:
             own.took(out)
         hidden = None
         if self.hidden_layers:  # gathered where the logits are: the last layer's device under device_map="auto"
+            text = self.model.config.get_text_config()
             hidden = torch.cat(
-                [main_stream(out.hidden_states[i]).to(out.logits.device) for i in self.hidden_layers], -1
+                [main_stream(out.hidden_states[i], text).to(out.logits.device) for i in self.hidden_layers], -1
             )
         self.cache.commit(m, hidden)
         # As `generate`: float32 logits where the inputs are (the first GPU under device_map="auto"); a compiled
@@ -469,10 +470,16 @@ class Verifier:
         return position_ids.clamp(max=last)
 
 
-def main_stream(states: torch.Tensor) -> torch.Tensor:
-    """[rows, q, hidden] of a layer's hidden states: a model that carries several streams through its layers (Gemma
-    3n's AltUp, [streams, rows, q, hidden]) gives the first, the one its layers compute and the others follow."""
-    return states[0] if states.dim() == 4 else states
+def main_stream(states: torch.Tensor, text_config=None) -> torch.Tensor:
+    """[rows, q, hidden] of a layer's hidden states: a model that carries several streams through its layers gives
+    one. Gemma 3n's AltUp ([streams, rows, q, hidden]): the first, the one its layers compute and the others follow.
+    DeepSeek-V4's hyper-connections ([rows, q, hc_mult, hidden], `text_config.hc_mult`), which no stream leads: their
+    mean."""
+    if states.dim() != 4:
+        return states
+    if getattr(text_config, "hc_mult", None) == states.shape[2]:
+        return states.mean(dim=2)
+    return states[0]
 
 
 # A forward is padded by a position only where that is clearly cheaper than the unpadded one, not within noise.

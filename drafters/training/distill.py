@@ -24,6 +24,7 @@ import torch
 
 from drafters.training.corpus import source_documents
 from verifiers.prompts import encode_prompt
+from verifiers.verifier import main_stream
 
 HELD_OUT_EVERY = 20  # every 20th generated answer is held out of training
 FRUITLESS_ROUNDS = 8  # sampled batches without a new user turn before synthetic_user_turns gives up
@@ -308,7 +309,9 @@ def build_features(
             out = model(input_ids=x.to(model.device), output_hidden_states=True)
             top = torch.softmax(out.logits.float(), dim=-1).topk(top_k, dim=-1)
             top_values, top_indices = top.values.half().cpu(), top.indices.cpu()
-            states = torch.cat([out.hidden_states[layer] for layer in layers], dim=-1).half().cpu()
+            text = model.config.get_text_config()
+            states = torch.cat([main_stream(out.hidden_states[layer], text) for layer in layers], dim=-1)
+            states = states.half().cpu()
         del out
         for row, k in enumerate(batch):
             a, m = offsets[k], lengths[k]
