@@ -1,8 +1,10 @@
 """The verifiers the experiment commands load by name: `default`, `tiny`, or a local checkpoint folder.
 
 `tiny` is the tests' random Llama (hybrid.testing) with a byte tokenizer: a whole command runs in seconds.
-`qwen3_5-tiny` is the tests' tiny Qwen3.5 with that tokenizer; `qwen3_5-random` is a Qwen3.5-shaped model of about 100M parameters with random weights and the default verifier's
-tokenizer: what a verify costs through Gated DeltaNet layers, and the ceiling and floor of a speed-up there.
+`ARCH-tiny` is the tests' tiny model of that architecture with that tokenizer (Qwen3.5's Gated DeltaNet, DeepSeek-V3.2's
+and GLM-5's indexed attention, DeepSeek-V4's compressed attention, Llama 4's chunked attention); `qwen3_5-random` is a
+Qwen3.5-shaped model of about 100M parameters with random weights and the default verifier's tokenizer: what a verify
+costs through Gated DeltaNet layers, and the ceiling and floor of a speed-up there.
 """
 
 from __future__ import annotations
@@ -27,12 +29,17 @@ def load_tiny_model():
     return model, tokenizer
 
 
-def load_qwen3_5_tiny():
-    """The tests' tiny Qwen3.5 (two Gated DeltaNet layers between full-attention layers) with a byte tokenizer."""
-    from hybrid.testing import byte_tokenizer, tiny_model
+def tiny_loader(arch: str, units: int):
+    """A loader of the tests' tiny `arch` model (`units` of its layer pattern) with a byte tokenizer."""
 
-    tokenizer = byte_tokenizer()
-    return tiny_model("qwen3_5", len(tokenizer), 2, seed=0, max_position_embeddings=1024), tokenizer
+    def load():
+        from hybrid.testing import byte_tokenizer, tiny_model
+
+        tokenizer = byte_tokenizer()
+        return tiny_model(arch, len(tokenizer), units, seed=0, max_position_embeddings=1024), tokenizer
+
+    load.__doc__ = f"The tests' tiny {arch} with a byte tokenizer."
+    return load
 
 
 def load_qwen3_5_random():
@@ -78,12 +85,15 @@ def load_pretrained(path: str):
 MODELS = {
     "default": load_default_model,
     "tiny": load_tiny_model,
-    "qwen3_5-tiny": load_qwen3_5_tiny,
+    # Two Gated DeltaNet layers between full-attention layers; indexed, compressed and chunked attention
+    "qwen3_5-tiny": tiny_loader("qwen3_5", 2),
+    **{f"{arch}-tiny": tiny_loader(arch, 2) for arch in ("deepseek_v32", "glm_moe_dsa", "deepseek_v4", "llama4")},
     "qwen3_5-random": load_qwen3_5_random,
 }
 MODEL_HELP = (
-    "default (SmolLM2-135M-Instruct), tiny (random, for tests), qwen3_5-tiny (random, for tests), qwen3_5-random "
-    "(random, 100M, Qwen3.5-shaped) or a local checkpoint folder"
+    "default (SmolLM2-135M-Instruct), tiny (random, for tests), qwen3_5-tiny, deepseek_v32-tiny, glm_moe_dsa-tiny, "
+    "deepseek_v4-tiny, llama4-tiny (random, for tests), qwen3_5-random (random, 100M, Qwen3.5-shaped) or a local "
+    "checkpoint folder"
 )
 
 

@@ -32,6 +32,7 @@ import torch
 from transformers import DynamicCache
 
 from verifiers.embedded import measurements_dir
+from verifiers.indexed import indexers
 from verifiers.kernels import KERNELS, chosen_kernels, cpu_linears, force_kernel, prepare_linears
 from verifiers.own_state import StateForwards, state_format
 from verifiers.positions import rotary_state_kept
@@ -186,7 +187,12 @@ def _measure_verify_costs(model, sizes, repeats: int, kernels) -> dict[str, dict
     generator = torch.Generator().manual_seed(0)
     context = torch.randint(0, vocab, (1, length), generator=generator).to(model.device)
     # A model with a state structure of its own is fed through it, as the verifier feeds it (`verifiers.own_state`)
-    after = _StateContext(model, context) if state_format(model) is not None else _CachedContext(model, context, sizes)
+    if state_format(model) is not None:
+        after = _StateContext(model, context)
+    elif indexers(model):
+        after = _VerifierContext(model, context, sizes)
+    else:
+        after = _CachedContext(model, context, sizes)
     linears = cpu_linears(model)
     kernels = tuple(k for k in kernels if k == "torch" or linears)
     costs = {kernel: {m: float("inf") for m in sizes} for kernel in kernels}
@@ -223,6 +229,23 @@ class _CachedContext:
             self.cache.crop(-m)
         else:
             self.cache = copy.deepcopy(self.saved)
+
+
+class _VerifierContext:
+    """The context in hybrid's own cache, for a model whose verify does more than its forward (indexed attention's
+    per-query choice, `verifiers.indexed`): `feed` is a verify, `undo` its rollback."""
+
+    def __init__(self, model, context: torch.Tensor, sizes):
+        from verifiers.verifier import Verifier  # which reads these tables
+
+        self.verifier = Verifier(model, max_width=max(sizes))
+        self.verifier.prefill(context, None, context.shape[1] + max(sizes))
+
+    def feed(self, tokens: torch.Tensor) -> None:
+        self.verifier.verify(tokens)
+
+    def undo(self, m: int) -> None:
+        self.verifier.rollback(m)
 
 
 class _StateContext:

@@ -82,18 +82,24 @@ def indexers(model: nn.Module) -> list[nn.Module]:
 def select_as_generate(scores: torch.Tensor, k: int, rows_of) -> torch.Tensor:
     """The indices [rows, q, min(k, n)] into `scores` [rows, q, n] (an indexer's) of each query's top k as `generate`
     takes them: `rows_of(b, i)` gives the row `generate` would have scored query i of row b over, as indices into n
-    (-1: an entry it masks), or None where this forward's own row is that row. A query choosing fewer than the
-    others is padded with an index it does not see, which the attention masks as it masks every unseen one."""
+    (-1: an entry it masks), as an int m for the first m entries, or None where this forward's own row is that row. A
+    query choosing fewer than the others is padded with an index it does not see, which the attention masks as it
+    masks every unseen one."""
     rows, q, n = scores.shape
     width = min(k, n)
-    chosen = torch.empty(rows, q, width, dtype=torch.long)
+    chosen = torch.empty(rows, q, width, dtype=torch.long, device=scores.device)
     own = None
     for b in range(rows):
         for i in range(q):
             entries = rows_of(b, i)
             if entries is None:
-                own = scores.topk(width, dim=-1).indices.cpu() if own is None else own
+                own = scores.topk(width, dim=-1).indices if own is None else own
                 chosen[b, i] = own[b, i]
+                continue
+            if isinstance(entries, int):  # a prefix, all seen: the query's own slots, unpadded
+                picked = scores[b, i, :entries].topk(min(k, entries)).indices
+                chosen[b, i, : picked.shape[0]] = picked
+                chosen[b, i, picked.shape[0] :] = entries  # exists: fewer than `width` were picked
                 continue
             seen = entries >= 0
             row = torch.full(entries.shape, float("-inf"), dtype=scores.dtype)  # masked: equal, below every score
@@ -105,8 +111,8 @@ def select_as_generate(scores: torch.Tensor, k: int, rows_of) -> torch.Tensor:
                 unseen[entries[seen]] = False
                 pad = unseen.nonzero()[:1, 0].expand(width - picked.shape[0])
                 picked = torch.cat([picked, pad])
-            chosen[b, i] = picked
-    return chosen.to(scores.device)
+            chosen[b, i] = picked.to(scores.device)
+    return chosen
 
 
 class _TopkAsGenerate(TorchFunctionMode):
@@ -131,9 +137,14 @@ def _slot_rows(layout: PromptLayout, positions: torch.Tensor):
     """Indexed attention over the cache's slots (slot p: position p): `generate` scores a query over its sequence as
     it holds it, padding and masked prompt tokens masked, the prompt's tokens in a prefill as long as the prompt."""
 
-    def rows_of(b: int, i: int) -> torch.Tensor:
-        real, seen = layout.sequence(b, int(positions[b, i]))
+    def rows_of(b: int, i: int) -> torch.Tensor | int:
+        position = int(positions[b, i])
+        if plain[b] and position >= layout.prompt[b]:  # a step over the row's own slots: the first position + 1
+            return position + 1
+        real, seen = layout.sequence(b, position)
         return torch.where(seen, real, -1)
+
+    plain = [layout.width == n for n in layout.prompt]  # rows without padding or masked tokens
 
     longest = max(layout.row_length(b, int(positions[b].max())) for b in range(positions.shape[0]))
     return rows_of, longest
@@ -143,9 +154,9 @@ def _entry_rows(layout: PromptLayout, positions: torch.Tensor, rate: int):
     """DeepSeek-V4's compressed entries: a one-token step scores its query over the entries closed so far (window w
     closes at position (w + 1) * rate - 1); a prompt token is scored in the prefill, which runs here as there."""
 
-    def rows_of(b: int, i: int) -> torch.Tensor | None:
+    def rows_of(b: int, i: int) -> int | None:
         position = int(positions[b, i])
-        return None if position < layout.prompt[b] else torch.arange((position + 1) // rate)
+        return None if position < layout.prompt[b] else (position + 1) // rate
 
     steps = [(p + 1) // rate for b, row in enumerate(positions.tolist()) for p in row if p >= layout.prompt[b]]
     return rows_of, max(steps, default=0)
