@@ -32,8 +32,9 @@ from verifiers.probes import padding_changes_outputs
 from verifiers.support import keeps_states, masked_window_problem, row_mask_problem, slot_position_problem
 
 # Architectures whose forward over a whole sequence is not how `generate` decodes it: Moshi's own mask ignores the
-# window its cache keeps, so past the window a fresh forward gives other states than decoding does.
-DECODES_UNLIKE_A_FRESH_FORWARD = ("moshi",)
+# window its cache keeps, so past the window a fresh forward gives other states than decoding does; an indexer
+# (DeepSeek-V3.2's, GLM-5's, DeepSeek-V4's) breaks its ties over another row in a forward than in a one-token step.
+DECODES_UNLIKE_A_FRESH_FORWARD = ("moshi", "deepseek_v32", "glm_moe_dsa", "deepseek_v4")
 # Architectures whose `generate` decodes a row of a batch otherwise than the row alone (RWKV's one-token step mixes
 # the rows' states): hybrid refuses their batches (tests/test_own_state.py).
 BATCHES_UNLIKE_ROWS_ALONE = ("rwkv",)

@@ -17,6 +17,7 @@ import verifiers.support as support_module
 from drafters import PromptLookupDrafter
 from verifiers import Verifier
 from verifiers.cache import SharedCache
+from verifiers.cost_table import verify_cost_table
 from verifiers.memory import CacheMemoryError
 from verifiers.support import keeps_states, row_mask_problem
 from verifiers.verifier import main_stream
@@ -113,6 +114,8 @@ def test_finished_rows_stop_costing_work(data):
         if isinstance(kwargs.get("cache"), SharedCache):
             fed_rows.append(kwargs["input_ids"].shape[0])
 
+    # The default scheduler's cost table is measured first: for a model with an indexer it times verifies too
+    verify_cost_table(model)
     hook = model.register_forward_pre_hook(count, with_kwargs=True)
     try:
         _, stats = hybrid.generate(

@@ -7,6 +7,7 @@ import contextlib
 
 import pytest
 import torch
+from transformers import CompileConfig
 
 import hybrid
 from drafters import ModelDrafter, PromptLookupDrafter
@@ -170,3 +171,8 @@ def test_drafters_read_these_verifiers(arch, tmp_path, one_thread):
         budget = getattr(drafter, "node_budget", 4)
         report = check_greedy_lossless(verifier, prompt, drafter, FixedScheduler(budget), max_new_tokens=24)
         assert sum(report.stats.drafted) > 0
+
+
+def test_a_compiled_static_step_with_an_indexer_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"indexers choose each query's tokens.*disable_compile=True"):
+        Verifier(tiny_model("deepseek_v32", VOCAB, 2, seed=9), static=True, max_width=4, compile_config=CompileConfig())

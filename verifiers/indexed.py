@@ -11,9 +11,9 @@ prompt's row; a verify's row has the other queries' slots besides.
 
 So while a forward of the shared cache runs, each indexer's top-k is taken, for every query, over the row `generate`
 would have given it (`select_as_generate`). DeepSeek-V4's indexer scores compressed entries (`verifiers.compressed`):
-a one-token step's row is the entries closed so far, a verify's has later ones besides, masked. Where that row is no longer than k, the query attends to all it sees
-either way and the indexer's own choice stands: only contexts longer than the indexer's k (2048 in the released
-models) pay for the per-query choice.
+a one-token step's row is the entries closed so far, a verify's has later ones besides, masked. Where that row is no
+longer than k, the query attends to all it sees either way and the indexer's own choice stands: only contexts longer
+than the indexer's k (2048 in the released models) pay for the per-query choice.
 """
 
 from __future__ import annotations

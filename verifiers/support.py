@@ -19,6 +19,7 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 
 from verifiers.cache import holed_rows
 from verifiers.cache_layers import COMPRESSED, attention_pattern, cache_fingerprint, cache_layer_sources
+from verifiers.indexed import indexers
 from verifiers.own_state import STATE_FORMATS, state_format
 from verifiers.probes import (
     attends_ahead,
@@ -64,6 +65,13 @@ def check_support(
     refusal = state_refusal(model, role, several, static, compiled)
     if refusal:
         raise ValueError(refusal)
+    if compiled and several and indexers(model):
+        raise ValueError(
+            f"cache_implementation='static' compiles one graph per verify width here, and {type(model).__name__}'s "
+            "indexers choose each query's tokens as model.generate's steps do by hooks that run eagerly (past "
+            "index_topk tokens of context). Drop cache_implementation (the dynamic path serves this model), or pass "
+            "disable_compile=True"
+        )
     problem = mask_problem(text)
     if problem and several:
         fix = "pass drafter=None (one token per forward, as model.generate)" if role == "verifier" else ""
