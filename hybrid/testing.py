@@ -918,8 +918,10 @@ def check_cache_matches_prefill(
             continue
         for name, a, b in _layer_tensors(mine, theirs):
             assert a.shape == b.shape, f"layer {i} {name}: {tuple(a.shape)} vs fresh prefill {tuple(b.shape)}"
-            err = float((a - b).abs().max()) if a.numel() else 0.0
-            assert err <= atol, f"layer {i} {name} differs from a fresh prefill by {err:.3g}"
+            # Within `atol` of their largest magnitude, as the states below: behind a recurrent layer, a verify's
+            # batched products round otherwise than one-token steps, and the recurrence carries it on
+            err = float((a - b).abs().max() / b.abs().max().clamp(min=1)) if a.numel() else 0.0
+            assert err <= atol, f"layer {i} {name} differs from a fresh prefill by {err:.3g} of its largest magnitude"
 
 
 def _layer_tensors(mine, theirs):

@@ -28,6 +28,7 @@ from hybrid.testing import (
     tiny_model,
 )
 from schedulers import ConfidenceScheduler, CostAwareScheduler, FixedScheduler, HeuristicScheduler
+from verifiers.own_state import state_format
 from verifiers.probes import padding_changes_outputs
 from verifiers.support import keeps_states, masked_window_problem, row_mask_problem, slot_position_problem
 
@@ -57,9 +58,11 @@ def verifiers(draw, fresh_forward_reference: bool = False, batches: bool = False
 
 
 def cache_layouts(model):
-    """The cache layouts to draw for `model`: the static one only where the model takes hybrid's per-row masks
-    (tests/test_model_support.py checks the refusal elsewhere)."""
-    return st.sampled_from([None, "static"] if row_mask_problem(model) is None else [None])
+    """The cache layouts to draw for `model`: the static one only where the model takes hybrid's per-row masks and
+    keeps its state in the cache's layers (tests/test_model_support.py and tests/test_own_state.py check the
+    refusals elsewhere)."""
+    static = row_mask_problem(model) is None and state_format(model) is None
+    return st.sampled_from([None, "static"] if static else [None])
 
 
 def prompts(vocab_size: int, max_len: int = 12):
