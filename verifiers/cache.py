@@ -262,10 +262,10 @@ class SharedCache(Cache):
             torch._dynamo.mark_static_address(buffer)
         return buffer
 
-    def grow(self, buffer: torch.Tensor, dim: int) -> torch.Tensor:
-        """`buffer` with `dim` widened to the current capacity, contents kept."""
+    def grow(self, buffer: torch.Tensor, dim: int, size: int | None = None) -> torch.Tensor:
+        """`buffer` with `dim` widened to `size` (default: the current capacity), contents kept."""
         shape = list(buffer.shape)
-        shape[dim] = self.capacity
+        shape[dim] = self.capacity if size is None else size
         bigger = self.allocate(tuple(shape), buffer.dtype, buffer.device)
         bigger.narrow(dim, 0, buffer.shape[dim]).copy_(buffer)
         return bigger

@@ -96,9 +96,9 @@ class CompressedEntries:
         for name, pair in self.projections.items():
             self.projections[name] = [self.owner.grow(t, 1) for t in pair]
         for name, entries in self.entries.items():
-            self.entries[name] = _widened(self, entries)
+            self.entries[name] = self.owner.grow(entries, 1, self.windows)
         for name, pair in self.halves.items():
-            self.halves[name] = [_widened(self, t) for t in pair]
+            self.halves[name] = [self.owner.grow(t, 1, self.windows) for t in pair]
 
     def select_compressed(self, index: torch.Tensor) -> None:
         for store in (self.projections, self.halves):
@@ -120,11 +120,3 @@ class CompressedEntries:
             if closed:
                 layer.overlap_kv[name] = kv[row : row + 1, closed - 1].clone()
                 layer.overlap_gate[name] = gate[row : row + 1, closed - 1].clone()
-
-
-def _widened(layer: CompressedEntries, buffer: torch.Tensor) -> torch.Tensor:
-    shape = list(buffer.shape)
-    shape[1] = layer.windows
-    bigger = layer.owner.allocate(tuple(shape), buffer.dtype, buffer.device)
-    bigger[:, : buffer.shape[1]] = buffer
-    return bigger

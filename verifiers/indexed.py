@@ -133,12 +133,12 @@ class _TopkAsGenerate(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _slot_rows(layout: PromptLayout, positions: torch.Tensor):
+def _slot_rows(layout: PromptLayout, positions: list[list[int]]):
     """Indexed attention over the cache's slots (slot p: position p): `generate` scores a query over its sequence as
     it holds it, padding and masked prompt tokens masked, the prompt's tokens in a prefill as long as the prompt."""
 
     def rows_of(b: int, i: int) -> torch.Tensor | int:
-        position = int(positions[b, i])
+        position = positions[b][i]
         if plain[b] and position >= layout.prompt[b]:  # a step over the row's own slots: the first position + 1
             return position + 1
         real, seen = layout.sequence(b, position)
@@ -146,19 +146,19 @@ def _slot_rows(layout: PromptLayout, positions: torch.Tensor):
 
     plain = [layout.width == n for n in layout.prompt]  # rows without padding or masked tokens
 
-    longest = max(layout.row_length(b, int(positions[b].max())) for b in range(positions.shape[0]))
+    longest = max(layout.row_length(b, row[-1]) for b, row in enumerate(positions))
     return rows_of, longest
 
 
-def _entry_rows(layout: PromptLayout, positions: torch.Tensor, rate: int):
+def _entry_rows(layout: PromptLayout, positions: list[list[int]], rate: int):
     """DeepSeek-V4's compressed entries: a one-token step scores its query over the entries closed so far (window w
     closes at position (w + 1) * rate - 1); a prompt token is scored in the prefill, which runs here as there."""
 
     def rows_of(b: int, i: int) -> int | None:
-        position = int(positions[b, i])
+        position = positions[b][i]
         return None if position < layout.prompt[b] else (position + 1) // rate
 
-    steps = [(p + 1) // rate for b, row in enumerate(positions.tolist()) for p in row if p >= layout.prompt[b]]
+    steps = [(p + 1) // rate for b, row in enumerate(positions) for p in row if p >= layout.prompt[b]]
     return rows_of, max(steps, default=0)
 
 
@@ -170,11 +170,16 @@ def choosing_as_generate(modules: list[nn.Module], cache):
     if not modules or layout is None or cache._write_index is None:
         yield
         return
-    positions = cache._write_index.cpu()
+    # A chain's positions, from the lengths the cache keeps on the host (indexed models verify chains): no device sync
+    q = cache._write_index.shape[1]
+    positions = [list(range(start, start + q)) for start in cache._forward_start]
+    rows = {}  # one plan per kind of row: the slots, or each compress rate's entries
     plans = []
     for module in modules:
         rate = getattr(module, "compress_rate", None)
-        rows_of, longest = _slot_rows(layout, positions) if rate is None else _entry_rows(layout, positions, rate)
+        if rate not in rows:
+            rows[rate] = _slot_rows(layout, positions) if rate is None else _entry_rows(layout, positions, rate)
+        rows_of, longest = rows[rate]
         if longest > module.index_topk:  # else every query selects all it sees, in generate's steps and here alike
             plans.append((module, rows_of, None if rate is not None else cache.end))
     if not plans:

@@ -80,7 +80,7 @@ class Verifier:
         self.role = role
         self.model = model
         self.hidden_layers = tuple(hidden_layers)
-        text = model.config.get_text_config()
+        text = self.text_config = model.config.get_text_config()
         self.hidden_width = len(self.hidden_layers) * text.hidden_size if self.hidden_layers else 0
         self._supports_logits_to_keep = model._supports_logits_to_keep()
         # A learned position table ends; past it `generate` fails too, so `hybrid.generate` refuses such a call up
@@ -447,9 +447,9 @@ class Verifier:
             own.took(out)
         hidden = None
         if self.hidden_layers:  # gathered where the logits are: the last layer's device under device_map="auto"
-            text = self.model.config.get_text_config()
             hidden = torch.cat(
-                [main_stream(out.hidden_states[i], text).to(out.logits.device) for i in self.hidden_layers], -1
+                [main_stream(out.hidden_states[i], self.text_config).to(out.logits.device) for i in self.hidden_layers],
+                -1,
             )
         self.cache.commit(m, hidden)
         # As `generate`: float32 logits where the inputs are (the first GPU under device_map="auto"); a compiled

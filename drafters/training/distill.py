@@ -298,6 +298,7 @@ def build_features(
     if resumed:
         log(f"features: resumed at {done}/{n} tokens")
     start, saved, first = time.time(), time.time(), done
+    text = model.config.get_text_config()  # its hidden states' streams (`main_stream`)
     while i < len(order):
         j = i + max(1, batch_tokens // lengths[order[i]])
         batch = order[i:j]
@@ -309,7 +310,6 @@ def build_features(
             out = model(input_ids=x.to(model.device), output_hidden_states=True)
             top = torch.softmax(out.logits.float(), dim=-1).topk(top_k, dim=-1)
             top_values, top_indices = top.values.half().cpu(), top.indices.cpu()
-            text = model.config.get_text_config()
             states = torch.cat([main_stream(out.hidden_states[layer], text) for layer in layers], dim=-1)
             states = states.half().cpu()
         del out
